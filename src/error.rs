@@ -121,6 +121,21 @@ pub enum TroupeError {
         /// The metrics the episode has.
         known: String,
     },
+    /// A training checkpoint (or the run directory holding it) is missing, incomplete or
+    /// malformed.
+    #[error("{}: {message}", .path.display())]
+    Checkpoint {
+        /// The checkpoint directory or file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
+    /// Training stopped because the loss or a gradient stopped being a finite number.
+    #[error("{message}")]
+    NonFinite {
+        /// What went non-finite, at which iteration.
+        message: String,
+    },
     /// A plot could not be drawn or encoded.
     #[error("plot {path}: {message}")]
     Plot {

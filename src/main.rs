@@ -33,6 +33,10 @@ enum Command {
     /// Run coding problems' tests in the sandbox.
     #[command(subcommand)]
     Code(cli::code::CodeCommand),
+    /// Train the agents' adapters by MAGRPO self-play (or resume a run).
+    Train(cli::train::TrainArgs),
+    /// Evaluate adapters on held-out episodes; prints JSON.
+    Eval(cli::eval::EvalArgs),
     /// Draw a run's learning curves (metrics.jsonl) to RUN_DIR/plots/*.png.
     Plot(cli::plot::PlotArgs),
 }
@@ -51,6 +55,16 @@ fn main() -> std::process::ExitCode {
         Some(name) => troupe::device::parse_device(name),
         None => troupe::device::default_device(),
     };
+    // For commands whose config names a device: only an explicit choice overrides it.
+    let explicit_device = || -> troupe::error::Result<Option<burn::tensor::Device>> {
+        match &cli.device {
+            Some(name) => troupe::device::parse_device(name).map(Some),
+            None => match std::env::var("TROUPE_DEVICE") {
+                Ok(name) if !name.is_empty() => troupe::device::parse_device(&name).map(Some),
+                _ => Ok(None),
+            },
+        }
+    };
     let result = match cli.command {
         Command::InitModel(args) => cli::model::init_model(args),
         Command::Logprobs(args) => device().map_err(Into::into).and_then(|d| cli::model::logprobs(args, &d)),
@@ -59,6 +73,8 @@ fn main() -> std::process::ExitCode {
         Command::Env(command) => cli::env::run(command),
         Command::Code(command) => cli::code::run(command),
         Command::Plot(args) => cli::plot::run(args),
+        Command::Train(args) => explicit_device().map_err(Into::into).and_then(|d| cli::train::run(args, d)),
+        Command::Eval(args) => explicit_device().map_err(Into::into).and_then(|d| cli::eval::run(args, d)),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -124,3 +124,31 @@ fn a_person_can_play_a_seat() {
     assert!(text.contains("[seat 0] your action>"), "{text}");
     assert!(result.steps >= 2, "the person's moves and the policy's replies were applied");
 }
+
+#[test]
+fn hanabi_life_loss_penalty_shapes_rewards_but_not_the_score() {
+    let registry = Registry::with_builtins();
+    let mut plain = registry.make_from_spec(&serde_json::json!({"name": "hanabi", "players": 2})).unwrap();
+    let mut shaped = registry.make_from_spec(&serde_json::json!({"name": "hanabi", "players": 2, "life_loss_penalty": 0.5})).unwrap();
+    plain.reset(11);
+    shaped.reset(11);
+    let mut lives_lost_seen = 0.0;
+    while !plain.is_terminal() {
+        let seat = plain.acting_seats()[0];
+        // Always play the oldest card: lives are lost quickly.
+        let id = plain.legal_actions(seat).unwrap().into_iter().find(|a| a.text.starts_with("play")).unwrap().id;
+        let a = plain.step(&[troupe_envs::Action::Id(id)]).unwrap();
+        let b = shaped.step(&[troupe_envs::Action::Id(id)]).unwrap();
+        let lost = plain.metrics()["lives_lost"] - lives_lost_seen;
+        lives_lost_seen = plain.metrics()["lives_lost"];
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(*y, x - 0.5 * lost, "a lost life costs the penalty, nothing else changes");
+        }
+    }
+    assert!(lives_lost_seen > 0.0);
+    assert!(shaped.is_terminal());
+    assert_eq!(plain.metrics(), shaped.metrics(), "metrics, score included, are the game's");
+    assert_eq!(shaped.returns()[0], plain.returns()[0] - 0.5 * lives_lost_seen);
+    let err = registry.make_from_spec(&serde_json::json!({"name": "hanabi", "life_loss_penalty": -1.0})).err().unwrap().to_string();
+    assert!(err.contains("life_loss_penalty"), "{err}");
+}

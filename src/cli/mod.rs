@@ -3,5 +3,7 @@
 pub mod adapters;
 pub mod code;
 pub mod env;
+pub mod eval;
 pub mod model;
 pub mod plot;
+pub mod train;

@@ -1,6 +1,8 @@
-//! Batched generation with a KV cache over prompts of different lengths (left-padded), and
-//! scoring: the log-probability of each token given those before it.
+//! Batched generation with a KV cache over prompts of different lengths (left-padded), optionally
+//! constrained per row to a set of token sequences ([`constrained`]), and scoring: the
+//! log-probability of each token given those before it.
 
+pub mod constrained;
 pub mod sampler;
 
 use burn::tensor::{Int, Tensor};
@@ -10,6 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
+pub use constrained::{NodeId, TokenTrie, TrieStep};
 pub use sampler::SamplingConfig;
 
 /// Options of one generation call.
@@ -39,8 +42,14 @@ impl Default for GenerateOptions {
 pub struct Generation {
     /// The new tokens (ending with the EOS token when `finished_by_eos`).
     pub output_ids: Vec<u32>,
-    /// Whether an EOS token ended the row (else `max_new_tokens` did).
+    /// Whether an EOS token ended the row (else `max_new_tokens` did, or for a constrained row
+    /// the completion of a sequence that does not end with EOS).
     pub finished_by_eos: bool,
+    /// For a constrained row, the index of the constraint's sequence it spelled (`output_ids` is
+    /// that sequence, plus the EOS that ended it when it is a prefix of another); `None` for an
+    /// unconstrained row.
+    #[serde(default)]
+    pub sequence: Option<usize>,
 }
 
 /// Pads rows on the left with `pad` to the longest row's length.
@@ -76,16 +85,50 @@ pub fn generate(
     options: &GenerateOptions,
     delta: Option<&dyn ProjectionDelta>,
 ) -> Result<Vec<Generation>> {
+    generate_constrained(lm, eos_token_ids, prompts, &[], options, delta)
+}
+
+/// [`generate`] where some rows may only spell one of a set of token sequences:
+/// `constraints` is empty (no row constrained, exactly [`generate`]) or holds one entry per
+/// prompt. A constrained row samples each token among those its [`TokenTrie`] allows
+/// ([`TokenTrie::pick`]: the configured temperature, top-k and top-p over the allowed tokens)
+/// and ends when it has spelled a whole sequence (reported in [`Generation::sequence`]),
+/// whatever `max_new_tokens` and `stop_at_eos` say: the trie's depth bounds its length.
+/// Every step is still one batched forward of all live rows, each on its own adapter in `delta`.
+/// Unconstrained rows decode as in [`generate`], and with no row constrained the output is
+/// exactly [`generate`]'s. Constrained rows draw from the same seeded generator (except at
+/// nodes with a single allowed token), so with sampling on they shift the draws of later rows.
+pub fn generate_constrained(
+    lm: &CausalLm,
+    eos_token_ids: &[u32],
+    prompts: &[Vec<u32>],
+    constraints: &[Option<&TokenTrie>],
+    options: &GenerateOptions,
+    delta: Option<&dyn ProjectionDelta>,
+) -> Result<Vec<Generation>> {
     if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
         return Err(TroupeError::invalid("prompts", "every prompt needs at least one token"));
     }
+    if !constraints.is_empty() && constraints.len() != prompts.len() {
+        return Err(TroupeError::invalid(
+            "constraints",
+            format!("{} constraints for {} prompts: give none or one per prompt", constraints.len(), prompts.len()),
+        ));
+    }
+    let vocab = lm.config.vocab_size;
+    if let Some(trie) = constraints.iter().flatten().find(|t| t.max_token() as usize >= vocab) {
+        return Err(TroupeError::invalid("constraints", format!("token {} is beyond the vocabulary ({vocab})", trie.max_token())));
+    }
+    let constraint = |row: usize| constraints.get(row).copied().flatten();
     let device = lm.device().clone();
     let batch = prompts.len();
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
     let (padded, valid) = left_pad(prompts, 0);
     let mut outputs: Vec<Generation> =
-        vec![Generation { output_ids: Vec::new(), finished_by_eos: false }; batch];
-    let mut done = vec![options.max_new_tokens == 0; batch];
+        vec![Generation { output_ids: Vec::new(), finished_by_eos: false, sequence: None }; batch];
+    let mut done: Vec<bool> = (0..batch).map(|row| constraint(row).is_none() && options.max_new_tokens == 0).collect();
+    // Each constrained row's place in its trie.
+    let mut nodes = vec![TokenTrie::ROOT; batch];
     let mut cache = KvCache::new(lm.config.num_hidden_layers);
     let mut layout = SequenceLayout::new(batch);
     // Full token history (kept only for the uncached path) and the step's new slots.
@@ -113,6 +156,19 @@ pub fn generate(
         for (row, logits) in rows.iter().enumerate() {
             let (token, real) = if done[row] {
                 (0, false)
+            } else if let Some(trie) = constraint(row) {
+                let token = trie.pick(nodes[row], logits, &options.sampling, &mut rng);
+                let out = &mut outputs[row];
+                out.output_ids.push(token);
+                match trie.advance(nodes[row], token).expect("`pick` returns an allowed token") {
+                    TrieStep::Continue(node) => nodes[row] = node,
+                    TrieStep::Complete { sequence } => {
+                        out.sequence = Some(sequence);
+                        out.finished_by_eos = eos_token_ids.contains(&token);
+                        done[row] = true;
+                    }
+                }
+                (token, true)
             } else {
                 let token = sampler::sample(logits, &options.sampling, &mut rng);
                 let out = &mut outputs[row];
@@ -216,4 +272,114 @@ pub fn last_logits(lm: &CausalLm, tokens: &[u32], delta: Option<&dyn ProjectionD
     let hidden = lm.hidden_states(lm.token_tensor(&[tokens.to_vec()])?, ForwardArgs { layout: &layout, cache: None, delta })?;
     let last = hidden.narrow(1, tokens.len() - 1, 1);
     Ok(to_rows(lm.logits(last).squeeze_dim::<2>(1)).remove(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Model, Preset};
+    use burn::tensor::Device;
+
+    fn tiny() -> (Model, Vec<Vec<u32>>) {
+        let model = Model::builtin(Preset::Tiny, 0, &Device::flex()).unwrap();
+        let prompts = ["Player 1 hints red.", "Your move:", "def main(xs):"]
+            .iter()
+            .map(|t| model.tokenizer.encode(t).unwrap())
+            .collect();
+        (model, prompts)
+    }
+
+    /// Token sequences sharing prefixes, with one sequence a prefix of another.
+    fn sequences(model: &Model) -> Vec<Vec<u32>> {
+        ["play card 1", "play card 2", "play", "discard card 1", "hint player 1 red"]
+            .iter()
+            .map(|t| model.tokenizer.encode(t).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn constrained_rows_spell_a_listed_sequence_and_free_rows_are_unchanged() {
+        let (model, prompts) = tiny();
+        let sequences = sequences(&model);
+        let eos = model.tokenizer.eos_token_ids[0];
+        assert!(sequences[0].starts_with(&sequences[2]) && sequences[0].len() > sequences[2].len());
+        let trie = TokenTrie::new(&sequences, Some(eos)).unwrap();
+        let mut seen = vec![false; sequences.len()];
+        for seed in 0..12 {
+            let options = GenerateOptions {
+                max_new_tokens: 4,
+                sampling: SamplingConfig { temperature: 1.5, top_k: 0, top_p: 1.0 },
+                seed,
+                stop_at_eos: true,
+                use_cache: true,
+            };
+            let constraints = [None, Some(&trie), Some(&trie)];
+            let out = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &constraints, &options, None).unwrap();
+            assert_eq!(out[0].sequence, None);
+            for row in &out[1..] {
+                let k = row.sequence.expect("a constrained row always completes");
+                let mut expected = sequences[k].clone();
+                if row.finished_by_eos {
+                    expected.push(eos);
+                }
+                assert_eq!(row.output_ids, expected, "the row spelled sequence {k} (max_new_tokens does not cut it)");
+                assert_eq!(trie.lookup(&row.output_ids), Some(k));
+                seen[k] = true;
+            }
+            // No constraint at all: exactly `generate`, sampled draws included.
+            let free = generate(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &options, None).unwrap();
+            let none = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &[None, None, None], &options, None).unwrap();
+            assert_eq!(free, none);
+        }
+        // "play" is a prefix of "play card 1": it is reached through EOS like the others.
+        assert!(seen.iter().all(|&s| s), "every sequence reachable: {seen:?}");
+
+        // Greedy free rows do not depend on the other rows' constraints.
+        let greedy = GenerateOptions { max_new_tokens: 6, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
+        let free = generate(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &greedy, None).unwrap();
+        let mixed = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &[None, Some(&trie), None], &greedy, None).unwrap();
+        assert_eq!((&free[0], &free[2]), (&mixed[0], &mixed[2]));
+    }
+
+    #[test]
+    fn greedy_constrained_decoding_takes_the_masked_argmax_at_every_step() {
+        let (model, prompts) = tiny();
+        let sequences = sequences(&model);
+        let eos = model.tokenizer.eos_token_ids[0];
+        let trie = TokenTrie::new(&sequences, Some(eos)).unwrap();
+        let greedy = GenerateOptions { max_new_tokens: 1, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
+        let constraints = vec![Some(&trie); prompts.len()];
+        for use_cache in [true, false] {
+            let options = GenerateOptions { use_cache, ..greedy.clone() };
+            let out = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &constraints, &options, None).unwrap();
+            for (prompt, row) in prompts.iter().zip(&out) {
+                // Replay the row alone, recomputing the logits: each token is the best allowed one.
+                let mut node = TokenTrie::ROOT;
+                let mut context = prompt.clone();
+                for &token in &row.output_ids {
+                    let logits = last_logits(&model.lm, &context, None).unwrap();
+                    let allowed = trie.allowed(node);
+                    let best = *allowed.iter().max_by(|a, b| logits[**a as usize].total_cmp(&logits[**b as usize]).then(b.cmp(a))).unwrap();
+                    assert_eq!(token, best, "allowed {allowed:?}");
+                    match trie.advance(node, token).unwrap() {
+                        TrieStep::Continue(next) => node = next,
+                        TrieStep::Complete { sequence } => assert_eq!(Some(sequence), row.sequence),
+                    }
+                    context.push(token);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn constraint_lists_must_match_the_prompts() {
+        let (model, prompts) = tiny();
+        let trie = TokenTrie::new(&[vec![1, 2]], None).unwrap();
+        let options = GenerateOptions::default();
+        let err = generate_constrained(&model.lm, &[], &prompts, &[Some(&trie)], &options, None).unwrap_err();
+        assert!(err.to_string().contains("1 constraints for 3 prompts"), "{err}");
+        let far = TokenTrie::new(&[vec![u32::MAX - 1]], None).unwrap();
+        let err = generate_constrained(&model.lm, &[], &prompts[..1], &[Some(&far)], &options, None).unwrap_err();
+        assert!(err.to_string().contains("beyond the vocabulary"), "{err}");
+    }
 }

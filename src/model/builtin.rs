@@ -104,14 +104,22 @@ pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let normal = Normal::new(0.0f32, 0.02).expect("valid std");
     let mut tensors = BTreeMap::new();
+    let (h, v) = (config.hidden_size, config.vocab_size);
+    // The (tied) embeddings get std 1/sqrt(hidden): a random hidden state then gives logits
+    // of std about 1 (a mildly uneven first distribution, like a trained model's spread), and
+    // one aligned with a token's embedding can lift it by sqrt(hidden) nats. With the blocks'
+    // 0.02, the normalised final state could only ever shift a logit by about 2.5 nats, so no
+    // adapter could make the model confident of anything.
+    let embedding = Normal::new(0.0f32, 1.0 / (h as f32).sqrt()).expect("valid std");
+    let values = (0..v * h).map(|_| embedding.sample(&mut rng)).collect();
+    tensors.insert("model.embed_tokens.weight".into(), HostTensor { values, shape: vec![v, h] });
     let mut random = |name: String, shape: Vec<usize>, rng: &mut ChaCha8Rng| {
         let values = (0..shape.iter().product()).map(|_| normal.sample(rng)).collect();
         tensors.insert(name, HostTensor { values, shape });
     };
-    let (h, v, i) = (config.hidden_size, config.vocab_size, config.intermediate_size);
+    let i = config.intermediate_size;
     let q = config.num_attention_heads * config.head_dim;
     let kv = config.num_key_value_heads * config.head_dim;
-    random("model.embed_tokens.weight".into(), vec![v, h], &mut rng);
     let mut ones = Vec::new();
     for layer in 0..config.num_hidden_layers {
         let p = format!("model.layers.{layer}");

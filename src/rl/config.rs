@@ -197,7 +197,8 @@ impl Default for AdapterSection {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ActionSection {
-    /// `free` (generate and parse) or `choice` (sample among the legal actions by likelihood).
+    /// `free` (generate and parse), `constrained` (decode only legal actions' tokens) or
+    /// `choice` (sample among the legal actions by likelihood).
     pub mode: ActionMode,
     /// Reward added to a seat for each invalid reply (free mode).
     pub invalid_penalty: f64,
@@ -268,6 +269,13 @@ pub struct TrainingSection {
     pub gamma: f64,
     /// An episode is cut after this many steps.
     pub max_episode_steps: usize,
+    /// Steps of supervised warm-up on the action format before the first iteration (0: none;
+    /// see [`crate::rl::trainer::FormatWarmup`]).
+    pub format_warmup_steps: usize,
+    /// Prompts per format warm-up step.
+    pub format_warmup_batch: usize,
+    /// Learning rate of the format warm-up.
+    pub format_warmup_lr: f64,
 }
 
 impl TrainingSection {
@@ -298,6 +306,9 @@ impl Default for TrainingSection {
             kl_coef: 0.0,
             gamma: 1.0,
             max_episode_steps: 50,
+            format_warmup_steps: 0,
+            format_warmup_batch: 16,
+            format_warmup_lr: 1.0e-3,
         }
     }
 }
@@ -518,6 +529,12 @@ impl TrainConfig {
         if !(0.0..=1.0).contains(&t.gamma) {
             return fail("training.gamma", format!("{} is not in [0, 1]", t.gamma));
         }
+        if t.format_warmup_steps > 0 && t.format_warmup_batch == 0 {
+            return fail("training.format_warmup_batch", "must be at least 1 when format_warmup_steps > 0".into());
+        }
+        if !(t.format_warmup_lr.is_finite() && t.format_warmup_lr > 0.0) {
+            return fail("training.format_warmup_lr", format!("must be a positive number, got {}", t.format_warmup_lr));
+        }
         if t.max_episode_steps == 0 {
             return fail("training.max_episode_steps", "must be at least 1".into());
         }
@@ -571,9 +588,9 @@ impl TrainConfig {
 
     /// What [`crate::rl::trainer::MagrpoTrainer`] needs from this config; `micro_batch_rows`
     /// (rows per forward/backward pass) is a memory setting, not part of the experiment.
-    pub fn trainer_settings(&self, micro_batch_rows: usize) -> TrainerSettings {
+    pub fn trainer_settings(&self, micro_batch_rows: usize) -> Result<TrainerSettings> {
         let t = &self.training;
-        TrainerSettings {
+        Ok(TrainerSettings {
             env_spec: self.env.spec(),
             seat_agents: self.agents.seats.clone(),
             group_size: t.group_size,
@@ -584,9 +601,16 @@ impl TrainConfig {
             max_grad_norm: t.max_grad_norm,
             normalize_std: t.normalize_std,
             gamma: t.gamma,
+            kl_coef: t.kl_coef,
+            rewards: self.reward_pipeline()?,
+            format_warmup: crate::rl::trainer::FormatWarmup {
+                steps: t.format_warmup_steps,
+                batch_size: t.format_warmup_batch,
+                lr: t.format_warmup_lr,
+            },
             micro_batch_rows,
             seed: self.run.seed,
-        }
+        })
     }
 
     /// The reward pipeline of `rewards:`.
@@ -595,7 +619,7 @@ impl TrainConfig {
     }
 
     /// Builds the environment from `env:` and checks what needs it: one agent per seat, and an
-    /// action mode the environment supports (`choice` needs a finite action set). `origin` names the config file in errors.
+    /// action mode the environment supports (`constrained` and `choice` need a finite action set). `origin` names the config file in errors.
     pub fn build_env(&self, origin: &Path, registry: &Registry) -> Result<Box<dyn Environment>> {
         let fail = |key: String, message: String| TroupeError::Config { path: origin.to_path_buf(), key, message };
         let env = registry.make_from_spec(&self.env.spec()).map_err(|err| match err {
@@ -615,16 +639,23 @@ impl TrainConfig {
                 ),
             ));
         }
-        if self.action.mode != ActionMode::Free {
+        if self.action.mode != ActionMode::Free || self.training.format_warmup_steps > 0 {
             let mut probe = registry.make_from_spec(&self.env.spec()).map_err(|e| fail("env".into(), e.to_string()))?;
             probe.reset(self.run.seed);
             if let Some(&seat) = probe.acting_seats().first() {
+                if probe.legal_actions(seat).is_none() && self.action.mode == ActionMode::Free {
+                    return Err(fail(
+                        "training.format_warmup_steps".into(),
+                        format!("the format warm-up needs a finite set of legal actions, but {} takes open-ended text; set it to 0", self.env.name),
+                    ));
+                }
                 if probe.legal_actions(seat).is_none() {
                     return Err(fail(
                         "action.mode".into(),
                         format!(
-                            "{:?} needs a finite set of legal actions, but {} takes open-ended text; use `free`",
-                            self.action.mode, self.env.name
+                            "`{}` needs a finite set of legal actions, but {} takes open-ended text; use `free`",
+                            self.action.mode,
+                            self.env.name
                         ),
                     ));
                 }
@@ -887,10 +918,9 @@ mod tests {
         assert!(err.contains("training.group_sise") && err.contains("unknown field `group_sise`"), "{err}");
         let err = error("trainning: {group_size: 4}", &[]);
         assert!(err.contains("unknown field `trainning`"), "{err}");
-        let err = error("action: {mode: constrained}", &[]);
-        assert!(err.contains("action.mode") && err.contains("expected `free` or `choice`"), "{err}");
         let err = error("action: {mode: freestyle}", &[]);
         assert!(err.contains("action.mode") && err.contains("unknown variant `freestyle`"), "{err}");
+        assert!(err.contains("expected one of `free`, `constrained`, `choice`"), "{err}");
         let err = error("rewards: {processors: [{type: clamp, min: 0, max: 1, extra: 2}]}", &[]);
         assert!(err.contains("rewards.processors[0]") && err.contains("extra"), "{err}");
         let err = error("adapter: {target_modules: [q_proj, x_proj]}", &[]);
@@ -1032,6 +1062,15 @@ mod tests {
         let config = parse("env: {name: writing}\naction: {mode: choice}", &[]).unwrap();
         let err = config.build_env(origin, &registry).err().expect("writing has no finite actions").to_string();
         assert!(err.contains("action.mode"), "{err}");
+        let config = parse("env: {name: writing}\naction: {mode: constrained}", &[]).unwrap();
+        let err = config.build_env(origin, &registry).err().expect("writing has no finite actions").to_string();
+        assert!(err.starts_with("configs/test.yaml: action.mode: `constrained` needs a finite set"), "{err}");
+        for (env, seats) in [("hanabi", "[0, 1]"), ("bridge", "[0, 1, 0, 1]")] {
+            let config = parse(&format!("env: {{name: {env}}}\nagents: {{seats: {seats}}}\naction: {{mode: constrained}}"), &[]).unwrap();
+            assert_eq!(config.action.mode, ActionMode::Constrained);
+            assert_eq!(config.rollout_config().mode, ActionMode::Constrained);
+            assert!(config.build_env(origin, &registry).is_ok(), "{env} has finite legal actions");
+        }
         let config = parse("env: {name: hanabi, players: 3}\nagents: {seats: [0, 1, 0]}", &[]).unwrap();
         assert_eq!(config.build_env(origin, &registry).unwrap().num_seats(), 3);
     }
@@ -1045,7 +1084,7 @@ mod tests {
             &[],
         )
         .unwrap();
-        let settings = config.trainer_settings(4);
+        let settings = config.trainer_settings(4).unwrap();
         assert_eq!(settings.env_spec, serde_json::json!({"name": "bridge"}));
         assert_eq!(settings.seat_agents, vec![0, 1, 0, 1]);
         assert_eq!((settings.group_size, settings.groups_per_iteration, settings.seed), (3, 2, 7));

@@ -35,7 +35,11 @@ impl TokenWeights {
         self.counted.iter().flatten().filter(|c| **c).count()
     }
 
-    fn tensors(&self, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    /// The per-token weights and the 0/1 mask of counted tokens, on `device`.
+    ///
+    /// # Shapes
+    /// both `[rows, positions]`
+    pub fn tensors(&self, device: &Device) -> (Tensor<2>, Tensor<2>) {
         let rows = self.advantage.len();
         let positions = self.advantage.first().map_or(0, Vec::len);
         let adv: Vec<f32> = self.advantage.iter().flatten().copied().collect();

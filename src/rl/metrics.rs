@@ -61,9 +61,19 @@ pub struct IterationMetrics {
 }
 
 impl From<&IterationStats> for IterationMetrics {
-    /// The trainer's statistics as a metrics line; the mean environment score goes to
-    /// `extra.score`.
+    /// The trainer's statistics as a metrics line; the mean environment score, the mean
+    /// episode length and (when on) the KL estimate go to `extra` as `score`,
+    /// `episode_steps` and `kl`.
     fn from(stats: &IterationStats) -> Self {
+        let mut extra: BTreeMap<String, f64> = [
+            ("score".to_string(), stats.mean_score),
+            ("episode_steps".to_string(), stats.mean_episode_steps),
+        ]
+        .into_iter()
+        .collect();
+        if let Some(kl) = stats.kl {
+            extra.insert("kl".to_string(), kl);
+        }
         Self {
             iteration: stats.iteration,
             mean_return: stats.mean_return.clone(),
@@ -74,7 +84,7 @@ impl From<&IterationStats> for IterationMetrics {
             lr: stats.lr,
             tokens_per_second: stats.rollout_tokens_per_second,
             seconds: stats.seconds,
-            extra: [("score".to_string(), stats.mean_score)].into_iter().collect(),
+            extra,
         }
     }
 }
@@ -267,6 +277,8 @@ mod tests {
             lr: 2e-4,
             rollout_tokens_per_second: 800.0,
             seconds: 1.5,
+            kl: Some(0.125),
+            mean_episode_steps: 6.0,
         };
         let line = IterationMetrics::from(&stats);
         assert_eq!(line.iteration, 4);
@@ -274,6 +286,10 @@ mod tests {
         assert_eq!(line.grad_norm["shared"], 0.75);
         assert_eq!((line.tokens_per_second, line.seconds, line.lr), (800.0, 1.5, 2e-4));
         assert_eq!(line.extra["score"], 3.5);
+        assert_eq!(line.extra["episode_steps"], 6.0);
+        assert_eq!(line.extra["kl"], 0.125);
+        let without_kl = IterationMetrics::from(&IterationStats { kl: None, ..stats });
+        assert!(!without_kl.extra.contains_key("kl"));
     }
 
     #[test]

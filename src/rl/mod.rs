@@ -3,12 +3,16 @@
 //! learning-curve plots.
 
 pub mod advantage;
+pub mod checkpoint;
 pub mod config;
+pub mod eval;
 pub mod loss;
 pub mod metrics;
 pub mod plot;
+pub mod protocols;
 pub mod rewards;
 pub mod rollout;
+pub mod run;
 pub mod trainer;
 
 pub use config::TrainConfig;

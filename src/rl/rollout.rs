@@ -1,16 +1,25 @@
 //! Rollouts: many episodes advance together. At each step every seat that must act, in every
 //! live episode, is one row of ONE batched generation (or scoring, in `choice` mode), each row on
-//! its agent's adapter. Agents' replies become actions through the environment's parser; an
-//! invalid reply costs a penalty and falls back as configured.
+//! its agent's adapter.
+//!
+//! Three action modes ([`ActionMode`]) turn an agent's text into an action:
+//! - `free`: generate, parse with the environment's parser; an invalid reply costs a penalty and
+//!   falls back as configured.
+//! - `constrained`: decode only token sequences that spell one of the seat's legal actions
+//!   ([`crate::generate::generate_constrained`]); never invalid, needs a finite action set.
+//! - `choice`: score every legal action's text by its log-likelihood and sample one.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
-use troupe_envs::{Action, Environment, SeatId};
+use std::collections::BTreeMap;
+
+use troupe_envs::policy::Policy;
+use troupe_envs::{Action, Environment, LegalAction, SeatId};
 
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
-use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
+use crate::generate::{generate, generate_constrained, score_rows, GenerateOptions, SamplingConfig, TokenTrie};
 use crate::model::{ChatMessage, Model, ProjectionDelta};
 
 /// How agents' text becomes actions.
@@ -19,8 +28,23 @@ use crate::model::{ChatMessage, Model, ProjectionDelta};
 pub enum ActionMode {
     /// Generate text, parse it; invalid text gets the penalty and the fallback.
     Free,
+    /// Generate text token by token, each token restricted to those that continue one of the
+    /// seat's legal actions, so every reply spells a legal action (never invalid). Needs an
+    /// environment with a finite legal action set (games, not writing or coding).
+    Constrained,
     /// Score every legal action's text by its log-likelihood and sample from the softmax.
     Choice,
+}
+
+impl std::fmt::Display for ActionMode {
+    /// The config spelling: `free`, `constrained` or `choice`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ActionMode::Free => "free",
+            ActionMode::Constrained => "constrained",
+            ActionMode::Choice => "choice",
+        })
+    }
 }
 
 /// What happens after an invalid reply in `free` mode.
@@ -38,7 +62,7 @@ pub enum Fallback {
 /// Rollout settings.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RolloutConfig {
-    /// Free text or choice among legal actions.
+    /// Free text, constrained decoding or choice among legal actions.
     pub mode: ActionMode,
     /// Reward added to a seat for each invalid reply (usually negative).
     pub invalid_penalty: f64,
@@ -46,9 +70,10 @@ pub struct RolloutConfig {
     pub fallback: Fallback,
     /// Re-asks after an invalid reply (with `Fallback::Retry`).
     pub max_retries: usize,
-    /// Longest reply in `free` mode.
+    /// Longest reply in `free` mode (a `constrained` reply always runs to the end of its action).
     pub max_new_tokens: usize,
-    /// Sampling of replies (and the temperature of `choice` mode's softmax).
+    /// Sampling of replies (among the allowed tokens in `constrained` mode; the temperature of
+    /// `choice` mode's softmax).
     pub sampling: SamplingConfig,
     /// Wrap prompts in the model's chat template when it has one.
     pub chat_template: bool,
@@ -102,19 +127,24 @@ impl EpisodeRecord {
 /// The prompt text for a seat: the environment's instructions and observation, in the model's
 /// chat template when it has one and `chat_template` is on.
 pub fn prompt_text(model: &Model, env: &dyn Environment, seat: SeatId, chat_template: bool, note: Option<&str>) -> Result<String> {
-    let instructions = env.instructions(seat);
     let mut observation = env.observation(seat);
     if let Some(note) = note {
         observation.push_str("\n\n");
         observation.push_str(note);
     }
+    chat_prompt(model, &env.instructions(seat), &observation, chat_template)
+}
+
+/// A prompt from a system and a user message: the model's chat template (with the generation
+/// prompt) when it has one and `chat_template` is on, else the two joined by a blank line.
+pub fn chat_prompt(model: &Model, system: &str, user: &str, chat_template: bool) -> Result<String> {
     if chat_template {
-        let messages = [ChatMessage::new("system", instructions.clone()), ChatMessage::new("user", observation.clone())];
+        let messages = [ChatMessage::new("system", system.to_string()), ChatMessage::new("user", user.to_string())];
         if let Some(text) = model.tokenizer.apply_chat_template(&messages, true)? {
             return Ok(text);
         }
     }
-    Ok(format!("{instructions}\n\n{observation}\n"))
+    Ok(format!("{system}\n\n{user}\n"))
 }
 
 /// A row waiting for an action: episode index, seat, prompt.
@@ -123,6 +153,14 @@ struct Pending {
     seat: SeatId,
     agent: usize,
     prompt_ids: Vec<u32>,
+}
+
+/// Where an acting seat's action comes from this step.
+enum Source {
+    /// Row `r` of the step's batch (an agent).
+    Row(usize),
+    /// A baseline policy, already decided.
+    Baseline(Action),
 }
 
 /// The action a row settled on, with what the agent wrote.
@@ -144,6 +182,23 @@ pub fn run_episodes(
     config: &RolloutConfig,
     rng: &mut ChaCha8Rng,
 ) -> Result<Vec<EpisodeRecord>> {
+    run_episodes_with_baselines(model, manager, envs, seeds, seat_agents, &mut BTreeMap::new(), config, rng)
+}
+
+/// [`run_episodes`] with some seats played by baseline policies (`baselines[seat]`) instead of
+/// their agents, as `troupe eval` seats them. A baseline's moves are not agent turns: they get
+/// no row in the batch and no [`Turn`] in the record.
+#[allow(clippy::too_many_arguments)]
+pub fn run_episodes_with_baselines(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    envs: &mut [Box<dyn Environment>],
+    seeds: &[u64],
+    seat_agents: &[usize],
+    baselines: &mut BTreeMap<SeatId, Box<dyn Policy>>,
+    config: &RolloutConfig,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<EpisodeRecord>> {
     if envs.len() != seeds.len() {
         return Err(TroupeError::invalid("seeds", "one seed per environment"));
     }
@@ -158,31 +213,46 @@ pub fn run_episodes(
     let mut ended = vec![false; envs.len()];
     loop {
         let mut pending = Vec::new();
+        // Per live episode: each acting seat's action source, in acting order.
+        let mut acting: Vec<(usize, Vec<Source>)> = Vec::new();
         for (i, env) in envs.iter().enumerate() {
             if ended[i] || env.is_terminal() || records[i].steps >= config.max_episode_steps {
                 ended[i] = true;
                 continue;
             }
+            let mut sources = Vec::new();
             for seat in env.acting_seats() {
+                if let Some(policy) = baselines.get_mut(&seat) {
+                    let action = policy.act(env.as_ref(), seat, rng).map_err(|e| TroupeError::invalid("baseline", format!("seat {seat}: {e}")))?;
+                    sources.push(Source::Baseline(action));
+                    continue;
+                }
                 let text = prompt_text(model, env.as_ref(), seat, config.chat_template, None)?;
+                sources.push(Source::Row(pending.len()));
                 pending.push(Pending { episode: i, seat, agent: seat_agents[seat], prompt_ids: model.tokenizer.encode(&text)? });
             }
+            if !sources.is_empty() {
+                acting.push((i, sources));
+            }
         }
-        if pending.is_empty() {
+        if acting.is_empty() {
             break;
         }
         let decided = match config.mode {
+            _ if pending.is_empty() => Vec::new(),
             ActionMode::Free => decide_free(model, manager, envs, &pending, config, rng)?,
+            ActionMode::Constrained => decide_constrained(model, manager, envs, &pending, config, rng)?,
             ActionMode::Choice => decide_choice(model, manager, envs, &pending, config, rng)?,
         };
-        // Group the step's rows by episode (acting seats are in acting order) and step.
-        let mut row = 0;
-        while row < pending.len() {
-            let episode = pending[row].episode;
-            let end = (row..pending.len()).find(|&r| pending[r].episode != episode).unwrap_or(pending.len());
-            let rows: Vec<usize> = (row..end).collect();
-            row = end;
-            let actions: Option<Vec<Action>> = rows.iter().map(|&r| decided[r].action.clone()).collect();
+        for (episode, sources) in acting {
+            let rows: Vec<usize> = sources.iter().filter_map(|s| if let Source::Row(r) = s { Some(*r) } else { None }).collect();
+            let actions: Option<Vec<Action>> = sources
+                .into_iter()
+                .map(|s| match s {
+                    Source::Row(r) => decided[r].action.clone(),
+                    Source::Baseline(action) => Some(action),
+                })
+                .collect();
             let record = &mut records[episode];
             let step_rewards = match actions {
                 Some(actions) => match envs[episode].step(&actions) {
@@ -282,6 +352,80 @@ fn decide_free(
     Ok(decided.into_iter().map(|d| d.expect("every row is decided by the last attempt")).collect())
 }
 
+/// The legal actions of `pending`'s seat, or an error naming `action.mode` when `mode` needs a
+/// finite action set the environment does not have (writing, coding) or the seat has none.
+fn finite_legal_actions(envs: &[Box<dyn Environment>], p: &Pending, mode: ActionMode) -> Result<Vec<LegalAction>> {
+    let env = envs[p.episode].as_ref();
+    let legal = env.legal_actions(p.seat).ok_or_else(|| {
+        TroupeError::invalid("action.mode", format!("`{mode}` mode needs finite legal actions; {} takes open-ended text (use `free`)", env.name()))
+    })?;
+    if legal.is_empty() {
+        return Err(TroupeError::invalid("action.mode", format!("`{mode}` mode: seat {} of {} must act but has no legal action", p.seat, env.name())));
+    }
+    Ok(legal)
+}
+
+/// `constrained` mode: one batched generation of all rows, each row restricted to the token
+/// sequences of its seat's legal actions. Each action's text is tokenised on its own (no special
+/// tokens), as `choice` mode scores it, and the model's first EOS id is appended when it has
+/// one: a reply ends the way a free reply does, so the loss also teaches the policy to stop after
+/// an action, and an action whose tokens prefix another's stays reachable (its EOS decides).
+///
+/// The completion is the decoded tokens (the action's tokens and that EOS). The trainer scores
+/// them with the unmasked model, as any other reply: the loss does not see the mask, so tokens
+/// the trie forced (one legal continuation) are trained like sampled ones. The action is the
+/// legal action whose text was spelled, and such a turn is never invalid.
+fn decide_constrained(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    envs: &[Box<dyn Environment>],
+    pending: &[Pending],
+    config: &RolloutConfig,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<Decided>> {
+    let eos = model.tokenizer.eos_token_ids.first().copied();
+    let mut legal_ids = Vec::with_capacity(pending.len());
+    let mut tries = Vec::with_capacity(pending.len());
+    for p in pending {
+        let legal = finite_legal_actions(envs, p, ActionMode::Constrained)?;
+        let mut sequences = Vec::with_capacity(legal.len());
+        for action in &legal {
+            let mut ids = model.tokenizer.encode(&action.text)?;
+            ids.extend(eos);
+            sequences.push(ids);
+        }
+        tries.push(TokenTrie::new(&sequences, eos)?);
+        legal_ids.push(legal.into_iter().map(|a| a.id).collect::<Vec<_>>());
+    }
+    let agents: Vec<Option<usize>> = pending.iter().map(|p| Some(p.agent)).collect();
+    let (delta, _) = manager.mixed(&agents, false)?;
+    let options = GenerateOptions {
+        max_new_tokens: config.max_new_tokens,
+        sampling: config.sampling.clone(),
+        seed: rng.random(),
+        stop_at_eos: true,
+        use_cache: true,
+    };
+    let prompts: Vec<Vec<u32>> = pending.iter().map(|p| p.prompt_ids.clone()).collect();
+    let constraints: Vec<Option<&TokenTrie>> = tries.iter().map(Some).collect();
+    let outputs = generate_constrained(
+        &model.lm,
+        &model.tokenizer.eos_token_ids,
+        &prompts,
+        &constraints,
+        &options,
+        Some(&delta as &dyn ProjectionDelta),
+    )?;
+    Ok(outputs
+        .into_iter()
+        .zip(legal_ids)
+        .map(|(out, ids)| {
+            let picked = out.sequence.expect("a constrained row always completes a sequence");
+            Decided { action: Some(Action::Id(ids[picked])), completion_ids: out.output_ids, invalid: false }
+        })
+        .collect())
+}
+
 /// `choice` mode: score every legal action's text after each row's prompt in one mixed batch,
 /// sample from the softmax of the summed log-likelihoods.
 fn decide_choice(
@@ -296,9 +440,7 @@ fn decide_choice(
     let mut rows = Vec::new();
     let mut agents = Vec::new();
     for p in pending {
-        let legal = envs[p.episode].legal_actions(p.seat).ok_or_else(|| {
-            TroupeError::invalid("action.mode", format!("choice mode needs finite legal actions; {} has none", envs[p.episode].name()))
-        })?;
+        let legal = finite_legal_actions(envs, p, ActionMode::Choice)?;
         let mut list = Vec::with_capacity(legal.len());
         for action in legal {
             let ids = model.tokenizer.encode(&action.text)?;
@@ -422,5 +564,67 @@ mod tests {
             assert!(record.turns.iter().all(|t| !t.invalid));
             assert_eq!(record.invalid_rate(), 0.0);
         }
+    }
+
+    #[test]
+    fn constrained_mode_replies_always_spell_a_legal_action() {
+        let (model, manager, mut envs) = setup();
+        let cfg = RolloutConfig { max_episode_steps: 8, max_new_tokens: 1, ..config(ActionMode::Constrained, Fallback::EndEpisode) };
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let seeds = [11, 12, 13];
+        let records = run_episodes(&model, &manager, &mut envs, &seeds, &[0, 1], &cfg, &mut rng).unwrap();
+        let eos = model.tokenizer.eos_token_ids[0];
+        let registry = troupe_envs::Registry::with_builtins();
+        for record in &records {
+            assert!(record.steps >= 1 && record.turns.len() == record.steps);
+            assert_eq!(record.invalid_rate(), 0.0);
+            // Replay: each completion is exactly one legal action's tokens plus EOS (longer than
+            // max_new_tokens: constrained replies are not cut), and the free-text parser agrees.
+            let mut env = registry.make("hanabi", &serde_json::json!({"players": 2})).unwrap();
+            env.reset(record.seed);
+            for turn in &record.turns {
+                assert!(!turn.invalid && turn.completion_ids.len() > 1);
+                assert_eq!(env.acting_seats(), vec![turn.seat]);
+                let legal = env.legal_actions(turn.seat).unwrap();
+                let spelled: Vec<&LegalAction> = legal
+                    .iter()
+                    .filter(|a| {
+                        let mut ids = model.tokenizer.encode(&a.text).unwrap();
+                        ids.push(eos);
+                        ids == turn.completion_ids
+                    })
+                    .collect();
+                assert_eq!(spelled.len(), 1, "one legal action spelled by {:?}", turn.completion_ids);
+                let text = model.tokenizer.decode(&turn.completion_ids, true).unwrap();
+                assert_eq!(env.parse_action(turn.seat, &text).unwrap(), Action::Id(spelled[0].id));
+                env.step(&[Action::Id(spelled[0].id)]).unwrap();
+            }
+            assert_eq!(env.returns(), record.env_returns, "the replay reaches the same returns");
+        }
+        let distinct: std::collections::HashSet<_> = records.iter().flat_map(|r| r.turns.iter().map(|t| t.completion_ids.clone())).collect();
+        assert!(distinct.len() > 3, "sampling varies the actions: {}", distinct.len());
+    }
+
+    #[test]
+    fn constrained_mode_bids_legal_bridge_calls() {
+        let (model, manager, _) = setup();
+        let registry = troupe_envs::Registry::with_builtins();
+        let mut envs = vec![registry.make("bridge", &serde_json::json!({})).unwrap()];
+        let cfg = RolloutConfig { max_episode_steps: 6, ..config(ActionMode::Constrained, Fallback::EndEpisode) };
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        let record = run_episodes(&model, &manager, &mut envs, &[21], &[0, 1, 0, 1], &cfg, &mut rng).unwrap().remove(0);
+        assert_eq!((record.steps, record.turns.len()), (6, 6), "every call was legal, so the auction went on");
+        assert!(record.turns.iter().enumerate().all(|(i, t)| !t.invalid && t.agent == t.seat % 2 && t.seat == (record.turns[0].seat + i) % 4));
+    }
+
+    #[test]
+    fn constrained_mode_needs_a_finite_action_set() {
+        let (model, manager, _) = setup();
+        let registry = troupe_envs::Registry::with_builtins();
+        let mut envs = vec![registry.make("writing", &serde_json::json!({})).unwrap()];
+        let cfg = config(ActionMode::Constrained, Fallback::Random);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let err = run_episodes(&model, &manager, &mut envs, &[0], &[0, 1], &cfg, &mut rng).unwrap_err().to_string();
+        assert!(err.contains("action.mode") && err.contains("constrained") && err.contains("writing"), "{err}");
     }
 }

@@ -35,19 +35,32 @@ pub struct HanabiEnv {
     config: HanabiConfig,
     state: HanabiState,
     returns: Vec<f64>,
+    /// Subtracted from every seat's step reward per life token lost (reward shaping; 0 keeps
+    /// HLE's reward).
+    life_loss_penalty: f64,
 }
 
 impl HanabiEnv {
     /// A Hanabi environment with these rules, reset with seed 0.
     pub fn new(config: HanabiConfig) -> Self {
         let state = Self::deal(&config, 0);
-        Self { returns: vec![0.0; config.players], state, config }
+        Self { returns: vec![0.0; config.players], state, config, life_loss_penalty: 0.0 }
     }
 
     /// Builds the environment from registry parameters (`{players: 3, variant: small, ...}`).
     pub fn from_params(params: &Value) -> Result<Self, EnvError> {
         let params: HanabiParams = parse_params("hanabi", params)?;
-        Ok(Self::new(params.resolve()?))
+        let penalty = params.life_loss_penalty.unwrap_or(0.0);
+        if !(penalty.is_finite() && penalty >= 0.0) {
+            return Err(EnvError::BadParam {
+                env: "hanabi".into(),
+                field: "life_loss_penalty".into(),
+                message: format!("must be a finite number >= 0, got {penalty}"),
+            });
+        }
+        let mut env = Self::new(params.resolve()?);
+        env.life_loss_penalty = penalty;
+        Ok(env)
     }
 
     fn full_deck(config: &HanabiConfig) -> Vec<Card> {
@@ -211,7 +224,16 @@ impl Environment for HanabiEnv {
             return Err(ActionError::WrongActionCount { expected: 1, got: actions.len() });
         };
         let mv = self.move_of(action)?;
-        let reward = self.apply(mv)? as f64;
+        let lives = self.state.life_tokens();
+        let mut reward = self.apply(mv)? as f64;
+        let lost = lives.saturating_sub(self.state.life_tokens());
+        if lost > 0 && self.life_loss_penalty > 0.0 {
+            let shaping = self.life_loss_penalty * f64::from(lost);
+            reward -= shaping;
+            for r in &mut self.returns {
+                *r -= shaping;
+            }
+        }
         Ok(vec![reward; self.config.players])
     }
 

@@ -48,6 +48,10 @@ pub struct HanabiParams {
     pub random_start_player: Option<bool>,
     /// How many of the latest moves the text observation lists (default: two full rounds).
     pub history_moves: Option<usize>,
+    /// Reward shaping for learners: subtracted from every seat's step reward when a move loses
+    /// a life token (default 0, HLE's reward: the score change only). The `score` metric is
+    /// unaffected.
+    pub life_loss_penalty: Option<f64>,
 }
 
 /// Validated Hanabi rules: every knob resolved to a number.

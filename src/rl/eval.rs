@@ -1,0 +1,164 @@
+//! `troupe eval`: trained (or untrained) adapters play episodes on held-out seeds, optionally
+//! with baseline policies in some seats, and the result is summarised with standard errors.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use troupe_envs::policy::{policy_by_name, Policy};
+use troupe_envs::{Registry, SeatId};
+
+use super::advantage::mean_std;
+use super::protocols::{is_coding_task, run_protocol, CodingProtocol, ProtocolSetup, ProtocolSummary};
+use super::config::{ActionMode, TrainConfig};
+use super::rollout::{run_episodes_with_baselines, EpisodeRecord};
+use crate::adapters::MultiAdapterManager;
+use crate::error::{Result, TroupeError};
+use crate::model::Model;
+
+/// Episodes played together in one batch of rollouts.
+pub const EVAL_BATCH_EPISODES: usize = 32;
+
+/// A mean with its standard error (population std / sqrt(n)).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct MeanStderr {
+    /// The mean.
+    pub mean: f64,
+    /// Its standard error.
+    pub stderr: f64,
+}
+
+impl MeanStderr {
+    /// Mean and standard error of `values` (0 and 0 when empty).
+    pub fn of(values: &[f64]) -> Self {
+        let (mean, std) = mean_std(values);
+        let n = values.len().max(1) as f64;
+        let stderr = if values.len() > 1 { std * (n / (n - 1.0)).sqrt() / n.sqrt() } else { 0.0 };
+        Self { mean, stderr }
+    }
+}
+
+/// What `troupe eval` prints.
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalSummary {
+    /// The environment's registry name.
+    pub env: String,
+    /// Episodes played.
+    pub episodes: usize,
+    /// Seed of the first episode (episode i uses `first_seed + i`), held out from training.
+    pub first_seed: u64,
+    /// The action mode the agents played in.
+    pub mode: ActionMode,
+    /// The environment's `score` metric over episodes.
+    pub score: MeanStderr,
+    /// Per agent (by id): its seats' environment return over episodes.
+    pub agent_return: BTreeMap<usize, MeanStderr>,
+    /// Invalid replies / agent replies.
+    pub invalid_rate: f64,
+    /// Agent replies counted.
+    pub agent_turns: usize,
+    /// Mean environment steps per episode.
+    pub mean_steps: f64,
+    /// Seats played by a baseline policy instead of their agent.
+    pub baseline_seats: BTreeMap<usize, String>,
+    /// The coding task's inference-only protocols (single agent, parallel, helper then main,
+    /// one round of discussion) on the same seeds; absent for other environments.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub protocols: Option<Vec<ProtocolSummary>>,
+    /// Wall time.
+    pub seconds: f64,
+}
+
+/// Plays `episodes` episodes of the config's environment with `manager`'s adapters on seeds
+/// `config.eval.seed + i`, seating `config.eval.baseline_seats` policies in place of agents.
+pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConfig, episodes: usize, registry: &Registry) -> Result<EvalSummary> {
+    let started = Instant::now();
+    if episodes == 0 {
+        return Err(TroupeError::invalid("episodes", "evaluate at least one episode"));
+    }
+    for (seat, &agent) in config.agents.seats.iter().enumerate() {
+        if !config.eval.baseline_seats.contains_key(&seat) && manager.adapter_name(agent).is_err() {
+            return Err(TroupeError::invalid(
+                "adapters",
+                format!("seat {seat} is played by agent {agent}, but the adapters have no agent {agent} (agents: {:?})", manager.agent_ids()),
+            ));
+        }
+    }
+    let mut baselines: BTreeMap<SeatId, Box<dyn Policy>> = BTreeMap::new();
+    for (&seat, name) in &config.eval.baseline_seats {
+        baselines.insert(seat, policy_by_name(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?);
+    }
+    let rollout = config.rollout_config();
+    let spec = config.env.spec();
+    let mut rng = ChaCha8Rng::seed_from_u64(config.eval.seed);
+    let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
+    let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
+    for chunk in seeds.chunks(EVAL_BATCH_EPISODES) {
+        let mut envs = chunk
+            .iter()
+            .map(|_| registry.make_from_spec(&spec).map_err(|e| TroupeError::invalid("env", e.to_string())))
+            .collect::<Result<Vec<_>>>()?;
+        records.extend(run_episodes_with_baselines(model, manager, &mut envs, chunk, &config.agents.seats, &mut baselines, &rollout, &mut rng)?);
+    }
+    let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
+    let mut agent_return = BTreeMap::new();
+    let agents: std::collections::BTreeSet<usize> = config
+        .agents
+        .seats
+        .iter()
+        .enumerate()
+        .filter(|(seat, _)| !config.eval.baseline_seats.contains_key(seat))
+        .map(|(_, &a)| a)
+        .collect();
+    for agent in agents {
+        let returns: Vec<f64> = records
+            .iter()
+            .map(|e| e.env_returns.iter().enumerate().filter(|(seat, _)| config.agents.seats[*seat] == agent && !config.eval.baseline_seats.contains_key(seat)).map(|(_, r)| r).sum())
+            .collect();
+        agent_return.insert(agent, MeanStderr::of(&returns));
+    }
+    let turns: usize = records.iter().map(|e| e.turns.len()).sum();
+    let invalid: usize = records.iter().map(|e| e.turns.iter().filter(|t| t.invalid).count()).sum();
+    let steps: Vec<f64> = records.iter().map(|e| e.steps as f64).collect();
+    let probe = registry.make_from_spec(&spec).map_err(|e| TroupeError::invalid("env", e.to_string()))?;
+    let protocols = if is_coding_task(probe.as_ref()) {
+        let setup = ProtocolSetup { env_spec: &spec, registry, seeds: &seeds, seat_agents: &config.agents.seats };
+        let mut summaries = Vec::with_capacity(CodingProtocol::ALL.len());
+        for protocol in CodingProtocol::ALL {
+            summaries.push(run_protocol(model, manager, &setup, protocol, &rollout, &mut rng)?);
+        }
+        Some(summaries)
+    } else {
+        None
+    };
+    Ok(EvalSummary {
+        env: config.env.name.clone(),
+        episodes,
+        first_seed: config.eval.seed,
+        mode: config.action.mode,
+        score: MeanStderr::of(&scores),
+        agent_return,
+        invalid_rate: if turns == 0 { 0.0 } else { invalid as f64 / turns as f64 },
+        agent_turns: turns,
+        mean_steps: mean_std(&steps).0,
+        baseline_seats: config.eval.baseline_seats.clone(),
+        protocols,
+        seconds: started.elapsed().as_secs_f64(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn standard_error_uses_the_sample_std() {
+        let s = MeanStderr::of(&[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(s.mean, 2.5);
+        // Sample std sqrt(5/3), over sqrt(4).
+        assert!((s.stderr - (5.0f64 / 3.0).sqrt() / 2.0).abs() < 1e-12);
+        assert_eq!(MeanStderr::of(&[7.0]), MeanStderr { mean: 7.0, stderr: 0.0 });
+    }
+}

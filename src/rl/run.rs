@@ -1,0 +1,172 @@
+//! A training run on disk (DESIGN.md, "Training"): the run directory, its resolved config,
+//! `metrics.jsonl`, and checkpoints, around a [`MagrpoTrainer`].
+//!
+//! A fresh run writes `config.yaml` and the checkpoint of iteration 0 (the untrained adapters,
+//! the baseline `troupe eval` compares against), then one metrics line per iteration and a
+//! checkpoint every `run.checkpoint_every` iterations and after the last. A resumed run loads
+//! the newest complete checkpoint, cuts `metrics.jsonl` back to it, and continues with the same
+//! random stream, so 2 + resume + 2 iterations equal 4 straight.
+
+use std::path::{Path, PathBuf};
+
+use troupe_envs::Registry;
+
+use super::checkpoint::{clean_staging, latest_checkpoint, load_checkpoint, save_checkpoint};
+use super::config::{TrainConfig, CONFIG_FILE};
+use super::metrics::{truncate_to, IterationMetrics, MetricsWriter};
+use super::trainer::MagrpoTrainer;
+use crate::adapters::{AdapterMode, MultiAdapterManager};
+use crate::error::{Result, TroupeError};
+use crate::model::Model;
+
+/// Rows per forward/backward micro-batch of the policy loss.
+pub const MICRO_BATCH_ROWS: usize = 8;
+
+/// A run in progress: its directory, config, trainer and metrics file.
+pub struct TrainingRun {
+    /// The run directory.
+    pub run_dir: PathBuf,
+    /// The resolved config (what `config.yaml` holds).
+    pub config: TrainConfig,
+    /// The trainer (model, adapters, optimizer states, RNG, iteration count).
+    pub trainer: MagrpoTrainer,
+    /// The newest checkpoint on disk, as (iteration, directory).
+    pub last_checkpoint: (u64, PathBuf),
+    metrics: MetricsWriter,
+}
+
+/// The model a config names: a Hugging Face directory, or the built-in preset.
+pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result<Model> {
+    match &config.model.path {
+        Some(path) => Model::from_dir(path, device),
+        None => {
+            let preset = config.model.preset().map_err(|message| TroupeError::Config {
+                path: PathBuf::from(CONFIG_FILE),
+                key: "model.preset".into(),
+                message,
+            })?;
+            Model::builtin(preset, config.model.seed, device)
+        }
+    }
+}
+
+/// The agents' fresh adapters, as the config asks (seeded from the run seed).
+pub fn fresh_adapters(config: &TrainConfig, model: &Model, device: &burn::tensor::Device) -> Result<MultiAdapterManager> {
+    let mut manager = MultiAdapterManager::new(&model.lm.config, device);
+    let adapter = config.adapter_config();
+    match config.agents.mode {
+        AdapterMode::PerAgent => manager.create_adapters_seeded(config.agents.num_agents, &adapter, config.run.seed)?,
+        AdapterMode::Shared => manager.create_shared_adapter(config.agents.num_agents, &adapter, config.run.seed)?,
+    }
+    Ok(manager)
+}
+
+impl TrainingRun {
+    /// Starts a new run in `config.run.out_dir`, which must not hold a run already. Writes
+    /// `config.yaml` and the checkpoint of iteration 0. `origin` names the config file in errors.
+    pub fn start(config: TrainConfig, origin: &Path, registry: Registry, device: &burn::tensor::Device) -> Result<Self> {
+        config.build_env(origin, &registry)?;
+        let run_dir = config.run.out_dir.clone();
+        if run_dir.join(CONFIG_FILE).exists() || latest_checkpoint(&run_dir)?.is_some() {
+            return Err(TroupeError::Checkpoint {
+                path: run_dir.clone(),
+                message: format!(
+                    "already holds a run; continue it with `troupe train --resume {}` or choose another run.out_dir",
+                    run_dir.display()
+                ),
+            });
+        }
+        let model = load_model(&config, device)?;
+        let manager = fresh_adapters(&config, &model, device)?;
+        let trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings(MICRO_BATCH_ROWS)?)?;
+        config.save(&run_dir)?;
+        let _ = std::fs::remove_file(super::metrics::metrics_path(&run_dir));
+        let metrics = MetricsWriter::open(&run_dir)?;
+        let dir = save_checkpoint(&run_dir, 0, &trainer.manager, &trainer.optimizer_states, &trainer.rng)?;
+        Ok(Self { run_dir, config, trainer, last_checkpoint: (0, dir), metrics })
+    }
+
+    /// Continues the run in `run_dir` from its newest complete checkpoint. `overrides`
+    /// (`--set`) may only change `run.iterations`, `run.checkpoint_every` and `run.log_every`:
+    /// anything else would make the continued run a different experiment.
+    pub fn resume(run_dir: &Path, overrides: &[String], registry: Registry, device: &burn::tensor::Device) -> Result<Self> {
+        let config_path = run_dir.join(CONFIG_FILE);
+        if !config_path.exists() {
+            return Err(TroupeError::Checkpoint { path: run_dir.to_path_buf(), message: format!("no {CONFIG_FILE}: not a run directory") });
+        }
+        for raw in overrides {
+            let key = raw.split('=').next().unwrap_or("").trim();
+            if !matches!(key, "run.iterations" | "run.checkpoint_every" | "run.log_every") {
+                return Err(TroupeError::Config {
+                    path: PathBuf::from("--set"),
+                    key: key.to_string(),
+                    message: "a resumed run keeps its config; only run.iterations, run.checkpoint_every and run.log_every may change".into(),
+                });
+            }
+        }
+        let mut config = TrainConfig::from_yaml_file(&config_path, overrides)?;
+        // The run lives where it is now, even if it was moved since it started.
+        config.run.out_dir = run_dir.to_path_buf();
+        clean_staging(run_dir)?;
+        let (_, dir) = latest_checkpoint(run_dir)?.ok_or_else(|| TroupeError::Checkpoint {
+            path: run_dir.join(super::checkpoint::CHECKPOINTS_DIR),
+            message: "no complete checkpoint to resume from".into(),
+        })?;
+        let model = load_model(&config, device)?;
+        let mut manager = fresh_adapters(&config, &model, device)?;
+        let checkpoint = load_checkpoint(&dir, &mut manager, device)?;
+        let mut trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings(MICRO_BATCH_ROWS)?)?;
+        trainer.iteration = checkpoint.iteration;
+        trainer.rng = checkpoint.rng;
+        trainer.optimizer_states = checkpoint.optimizer_states;
+        if !overrides.is_empty() {
+            config.save(run_dir)?;
+        }
+        truncate_to(run_dir, checkpoint.iteration)?;
+        let metrics = MetricsWriter::open(run_dir)?;
+        Ok(Self { run_dir: run_dir.to_path_buf(), config, trainer, last_checkpoint: (checkpoint.iteration, dir), metrics })
+    }
+
+    /// Iterations done.
+    pub fn iteration(&self) -> u64 {
+        self.trainer.iteration
+    }
+
+    /// Whether every configured iteration is done.
+    pub fn finished(&self) -> bool {
+        self.trainer.iteration >= self.config.run.iterations as u64
+    }
+
+    /// Runs one iteration, appends its metrics line, and checkpoints when due (every
+    /// `run.checkpoint_every` iterations, and after the last). A failed iteration (a NaN loss,
+    /// say) changes nothing on disk: the newest checkpoint stays the last good state.
+    pub fn run_iteration(&mut self) -> Result<IterationMetrics> {
+        // The format warm-up belongs to the first iteration (a run resumed from checkpoint 0
+        // repeats it from the same random state).
+        let warmup_started = std::time::Instant::now();
+        let warmup = if self.trainer.iteration == 0 { self.trainer.format_warmup()? } else { Vec::new() };
+        let warmup_seconds = warmup_started.elapsed().as_secs_f64();
+        let stats = self.trainer.step()?;
+        let mut metrics = IterationMetrics::from(&stats);
+        if let (Some(first), Some(last)) = (warmup.first(), warmup.last()) {
+            metrics.extra.insert("format_warmup_nll_first".into(), *first);
+            metrics.extra.insert("format_warmup_nll_last".into(), *last);
+            metrics.extra.insert("format_warmup_seconds".into(), warmup_seconds);
+            metrics.seconds += warmup_seconds;
+        }
+        self.metrics.append(&metrics)?;
+        let iteration = stats.iteration;
+        if iteration % self.config.run.checkpoint_every as u64 == 0 || iteration >= self.config.run.iterations as u64 {
+            self.checkpoint()?;
+        }
+        Ok(metrics)
+    }
+
+    /// Writes a checkpoint of the current state now.
+    pub fn checkpoint(&mut self) -> Result<PathBuf> {
+        let t = &self.trainer;
+        let dir = save_checkpoint(&self.run_dir, t.iteration, &t.manager, &t.optimizer_states, &t.rng)?;
+        self.last_checkpoint = (t.iteration, dir.clone());
+        Ok(dir)
+    }
+}

@@ -1,0 +1,144 @@
+//! `troupe train`, `troupe eval` and `troupe plot` as a user runs them: a tiny run from a YAML
+//! file, its run directory, resuming after a real kill, eval JSON with a baseline seat, and bad
+//! input giving one clear line and a non-zero exit.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn troupe(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).env("RUST_LOG", "warn").output().unwrap()
+}
+
+fn json_stdout(out: &std::process::Output) -> serde_json::Value {
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn error_line(out: &std::process::Output) -> String {
+    assert!(!out.status.success(), "expected a failure, stdout: {}", String::from_utf8_lossy(&out.stdout));
+    let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
+    let lines: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(lines.len(), 1, "one error line: {stderr}");
+    lines[0].to_string()
+}
+
+/// A tiny Hanabi config file in `dir`, writing its run to `dir/run`.
+fn write_config(dir: &Path, iterations: usize) -> std::path::PathBuf {
+    let path = dir.join("tiny.yaml");
+    let text = format!(
+        "run: {{out_dir: {}, seed: 3, iterations: {iterations}, checkpoint_every: 1}}\n\
+         env: {{name: hanabi, players: 2, history_moves: 1}}\n\
+         adapter: {{r: 4, lora_alpha: 8.0}}\n\
+         action: {{mode: free, max_new_tokens: 4, chat_template: false}}\n\
+         training: {{group_size: 2, groups_per_iteration: 1, lr: 1.0e-2, max_episode_steps: 3,\n\
+                     format_warmup_steps: 2, format_warmup_batch: 2}}\n\
+         eval: {{episodes: 2, seed: 5000}}\n",
+        dir.join("run").display()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn train_writes_a_run_directory_and_eval_reads_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_config(tmp.path(), 2);
+    let config_s = config.to_str().unwrap();
+    let summary = json_stdout(&troupe(&["train", "--config", config_s, "--quiet"]));
+    assert_eq!(summary["iterations"], 2);
+    let run = tmp.path().join("run");
+    assert!(run.join("config.yaml").exists());
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2);
+    for (i, line) in lines.iter().enumerate() {
+        assert_eq!(line["iteration"], i as u64 + 1);
+        for key in ["mean_return", "std_return", "invalid_rate", "loss", "grad_norm", "lr", "tokens_per_second", "seconds"] {
+            assert!(line.get(key).is_some(), "metrics line has {key}: {line}");
+        }
+    }
+    assert!(lines[0]["extra"]["format_warmup_nll_last"].as_f64().is_some(), "the warm-up is reported");
+    for i in 0..=2 {
+        let dir = run.join(format!("checkpoints/iteration-{i:06}"));
+        for file in ["adapters/troupe.json", "adapters/agent_0/adapter_model.safetensors", "adapters/agent_1/adapter_config.json", "optimizer.safetensors", "state.json"] {
+            assert!(dir.join(file).exists(), "{}/{file}", dir.display());
+        }
+    }
+    assert!(run.join("plots/learning_curves.png").exists());
+
+    // eval on the run (newest checkpoint) and on the untrained adapters, with a rule player in seat 1.
+    let run_s = run.to_str().unwrap();
+    let eval = json_stdout(&troupe(&["eval", "--config", config_s, "--adapters", run_s, "--episodes", "3"]));
+    assert_eq!(eval["episodes"], 3);
+    assert_eq!(eval["first_seed"], 5000);
+    assert!(eval["score"]["mean"].as_f64().is_some() && eval["score"]["stderr"].as_f64().is_some());
+    let rate = eval["invalid_rate"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&rate));
+    assert!(eval["adapters"].as_str().unwrap().ends_with("iteration-000002/adapters"));
+    let untrained = run.join("checkpoints/iteration-000000");
+    let baseline = json_stdout(&troupe(&[
+        "eval", "--config", config_s, "--adapters", untrained.to_str().unwrap(), "--set", "eval.baseline_seats={1: rule}",
+    ]));
+    assert_eq!(baseline["baseline_seats"]["1"], "rule");
+    assert_eq!(baseline["agent_return"].as_object().unwrap().keys().collect::<Vec<_>>(), vec!["0"], "only agent 0 plays");
+
+    // The same run again is refused rather than overwritten.
+    let line = error_line(&troupe(&["train", "--config", config_s]));
+    assert!(line.contains("already holds a run") && line.contains("--resume"), "{line}");
+}
+
+#[test]
+fn a_killed_run_resumes_from_its_last_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_config(tmp.path(), 6);
+    let run = tmp.path().join("run");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
+        .args(["train", "--config", config.to_str().unwrap(), "--quiet"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it (SIGKILL, no clean-up) once it has checkpointed an iteration.
+    let started = Instant::now();
+    while !run.join("checkpoints/iteration-000001/state.json").exists() {
+        assert!(started.elapsed() < Duration::from_secs(300), "no checkpoint within 5 minutes");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let summary = json_stdout(&troupe(&["train", "--resume", run.to_str().unwrap(), "--quiet"]));
+    assert_eq!(summary["iterations"], 6);
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let iterations: Vec<u64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["iteration"].as_u64().unwrap()).collect();
+    assert_eq!(iterations, (1..=6).collect::<Vec<_>>(), "one line per iteration, none lost or doubled");
+}
+
+#[test]
+fn bad_configs_and_arguments_give_one_clear_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let path = tmp.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let unknown = write("unknown.yaml", "training: {group_sise: 4}\n");
+    let line = error_line(&troupe(&["train", "--config", &unknown]));
+    assert!(line.contains("unknown.yaml") && line.contains("group_sise"), "{line}");
+    let wrong_type = write("type.yaml", "training: {group_size: four}\n");
+    let line = error_line(&troupe(&["train", "--config", &wrong_type]));
+    assert!(line.contains("training.group_size"), "{line}");
+    let seats = write("seats.yaml", "agents: {num_agents: 1, seats: [0, 1]}\n");
+    let line = error_line(&troupe(&["train", "--config", &seats]));
+    assert!(line.contains("agents.seats"), "{line}");
+    let line = error_line(&troupe(&["train", "--config", &write("ok.yaml", "run: {iterations: 1}\n"), "--set", "training.lr=fast"]));
+    assert!(line.contains("training.lr"), "{line}");
+    let line = error_line(&troupe(&["train", "--resume", tmp.path().join("missing").to_str().unwrap()]));
+    assert!(line.contains("missing"), "{line}");
+    let line = error_line(&troupe(&["eval", "--config", &write("e.yaml", "run: {iterations: 1}\n"), "--adapters", tmp.path().join("none").to_str().unwrap()]));
+    assert!(line.contains("none"), "{line}");
+    let coding = write("coding.yaml", "env: {name: coding}\naction: {mode: constrained}\n");
+    let line = error_line(&troupe(&["train", "--config", &coding]));
+    assert!(line.contains("action.mode"), "{line}");
+}

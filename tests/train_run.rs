@@ -1,0 +1,187 @@
+//! Training runs on disk: exact resume, checkpoints that survive a kill, the NaN stop, and the
+//! eval summary. Tiny settings (built-in tiny model, 2-step Hanabi episodes) keep them fast.
+
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Device;
+use troupe::error::TroupeError;
+use troupe::rl::checkpoint::{checkpoint_dir, list_checkpoints, write_checkpoint_files, CHECKPOINTS_DIR};
+use troupe::rl::config::TrainConfig;
+use troupe::rl::metrics::{metrics_path, read_metrics, IterationMetrics};
+use troupe::rl::run::TrainingRun;
+use troupe_envs::Registry;
+
+/// A 2-player Hanabi config small enough for tests, writing to `out_dir`.
+fn config(out_dir: &Path, iterations: usize, checkpoint_every: usize, extra: &[&str]) -> TrainConfig {
+    let yaml = format!(
+        "run: {{out_dir: {out}, seed: 7, iterations: {iterations}, checkpoint_every: {checkpoint_every}}}\n\
+         env: {{name: hanabi, players: 2, history_moves: 1}}\n\
+         adapter: {{r: 4, lora_alpha: 8.0}}\n\
+         action: {{mode: free, max_new_tokens: 4, chat_template: false}}\n\
+         training: {{group_size: 2, groups_per_iteration: 1, lr: 1.0e-2, warmup_iterations: 1, max_episode_steps: 3}}\n",
+        out = out_dir.display()
+    );
+    let overrides: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    TrainConfig::from_yaml_str(&yaml, Path::new("test.yaml"), &overrides, &Registry::with_builtins()).unwrap()
+}
+
+fn start(config: TrainConfig) -> TrainingRun {
+    TrainingRun::start(config, Path::new("test.yaml"), Registry::with_builtins(), &Device::flex()).unwrap()
+}
+
+fn resume(run_dir: &Path, overrides: &[&str]) -> TrainingRun {
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    TrainingRun::resume(run_dir, &overrides, Registry::with_builtins(), &Device::flex()).unwrap()
+}
+
+fn finish(run: &mut TrainingRun) {
+    while !run.finished() {
+        run.run_iteration().unwrap();
+    }
+}
+
+/// Every file of a checkpoint's adapters directory, by relative path.
+fn adapter_files(checkpoint: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let root = checkpoint.join("adapters");
+    let mut out = Vec::new();
+    for agent in std::fs::read_dir(&root).unwrap() {
+        let agent = agent.unwrap().path();
+        if agent.is_dir() {
+            for file in std::fs::read_dir(&agent).unwrap() {
+                let file = file.unwrap().path();
+                out.push((file.strip_prefix(&root).unwrap().to_path_buf(), std::fs::read(&file).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// The metrics that must replay exactly (everything but wall-clock timings).
+fn replayable(metrics: &[IterationMetrics]) -> Vec<IterationMetrics> {
+    metrics.iter().cloned().map(|mut m| {
+        m.seconds = 0.0;
+        m.tokens_per_second = 0.0;
+        m
+    }).collect()
+}
+
+fn metrics(run_dir: &Path) -> Vec<IterationMetrics> {
+    read_metrics(&metrics_path(run_dir)).unwrap().records
+}
+
+#[test]
+fn four_iterations_straight_equal_two_plus_resume_plus_two() {
+    let tmp = tempfile::tempdir().unwrap();
+    let straight = tmp.path().join("straight");
+    let mut run = start(config(&straight, 4, 2, &[]));
+    finish(&mut run);
+    drop(run);
+
+    let split = tmp.path().join("split");
+    let mut first = start(config(&split, 2, 2, &[]));
+    finish(&mut first);
+    drop(first);
+    let mut second = resume(&split, &["run.iterations=4"]);
+    assert_eq!(second.iteration(), 2);
+    finish(&mut second);
+
+    let a = adapter_files(&checkpoint_dir(&straight, 4));
+    let b = adapter_files(&checkpoint_dir(&split, 4));
+    assert!(!a.is_empty());
+    assert_eq!(a, b, "adapters after 4 straight and 2 + 2 are byte-identical");
+    assert_ne!(a, adapter_files(&checkpoint_dir(&straight, 0)), "training changed the adapters");
+    let (ma, mb) = (metrics(&straight), metrics(&split));
+    assert_eq!(ma.len(), 4);
+    assert_eq!(replayable(&ma), replayable(&mb));
+    let opt = |dir: &Path| std::fs::read(checkpoint_dir(dir, 4).join("optimizer.safetensors")).unwrap();
+    assert_eq!(opt(&straight), opt(&split), "optimizer moments too");
+}
+
+#[test]
+fn a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_usable() {
+    let tmp = tempfile::tempdir().unwrap();
+    let straight = tmp.path().join("straight");
+    let mut run = start(config(&straight, 3, 1, &[]));
+    finish(&mut run);
+    drop(run);
+
+    let killed = tmp.path().join("killed");
+    let mut run = start(config(&killed, 3, 1, &[]));
+    run.run_iteration().unwrap();
+    run.run_iteration().unwrap();
+    // The process dies while writing checkpoint 3: the trainer ran iteration 3, its metrics
+    // line is half written, and the checkpoint's staging directory holds a partial write.
+    run.trainer.step().unwrap();
+    let staging = killed.join(CHECKPOINTS_DIR).join(".iteration-000003.staging-4242");
+    std::fs::create_dir_all(&staging).unwrap();
+    let t = &run.trainer;
+    write_checkpoint_files(&staging, 3, &t.manager, &t.optimizer_states, &t.rng).unwrap();
+    let optimizer = staging.join("optimizer.safetensors");
+    let bytes = std::fs::read(&optimizer).unwrap();
+    std::fs::write(&optimizer, &bytes[..bytes.len() / 2]).unwrap();
+    std::fs::remove_file(staging.join("state.json")).unwrap();
+    drop(run);
+    let mut file = std::fs::OpenOptions::new().append(true).open(metrics_path(&killed)).unwrap();
+    std::io::Write::write_all(&mut file, b"{\"iteration\": 3, \"mean_ret").unwrap();
+    drop(file);
+
+    let listed: Vec<u64> = list_checkpoints(&killed).unwrap().into_iter().map(|(i, _)| i).collect();
+    assert_eq!(listed, vec![0, 1, 2], "the partial checkpoint is not listed");
+    let mut resumed = resume(&killed, &[]);
+    assert_eq!(resumed.iteration(), 2, "resumes from the last whole checkpoint");
+    assert!(!staging.exists(), "the partial write is cleaned up");
+    finish(&mut resumed);
+    assert_eq!(adapter_files(&checkpoint_dir(&straight, 3)), adapter_files(&checkpoint_dir(&killed, 3)));
+    assert_eq!(replayable(&metrics(&straight)), replayable(&metrics(&killed)));
+}
+
+#[test]
+fn a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("nan");
+    let mut run = start(config(&dir, 4, 1, &[]));
+    run.run_iteration().unwrap();
+    let good = adapter_files(&checkpoint_dir(&dir, 1));
+    // A diverged adapter: every B factor of agent 0 is NaN, so its log-probs and the loss are.
+    let mut adapter = run.trainer.manager.adapter(0).unwrap().clone();
+    for pair in adapter.pairs.values_mut() {
+        pair.b = pair.b.clone().mul_scalar(f32::NAN);
+    }
+    run.trainer.manager.set_adapter(0, adapter).unwrap();
+    let err = run.run_iteration().err().expect("a NaN loss is an error");
+    assert!(matches!(err, TroupeError::NonFinite { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(message.contains("iteration 2") && message.contains("NaN"), "{message}");
+    assert_eq!(run.iteration(), 1, "the failed iteration does not count");
+    drop(run);
+    let listed: Vec<u64> = list_checkpoints(&dir).unwrap().into_iter().map(|(i, _)| i).collect();
+    assert_eq!(listed, vec![0, 1]);
+    assert_eq!(adapter_files(&checkpoint_dir(&dir, 1)), good);
+    assert_eq!(metrics(&dir).len(), 1, "no metrics line for the failed iteration");
+    let resumed = resume(&dir, &[]);
+    assert_eq!(resumed.iteration(), 1);
+}
+
+#[test]
+fn a_directory_holding_a_run_is_not_overwritten_and_resume_keeps_the_experiment() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("run");
+    let run = start(config(&dir, 1, 1, &[]));
+    drop(run);
+    let err = TrainingRun::start(config(&dir, 1, 1, &[]), Path::new("test.yaml"), Registry::with_builtins(), &Device::flex())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("already holds a run") && err.contains("--resume"), "{err}");
+    let err = TrainingRun::resume(&dir, &["training.lr=1.0".to_string()], Registry::with_builtins(), &Device::flex())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("training.lr") && err.contains("only run.iterations"), "{err}");
+    let err = TrainingRun::resume(&tmp.path().join("nowhere"), &[], Registry::with_builtins(), &Device::flex())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("not a run directory"), "{err}");
+}
