@@ -298,6 +298,18 @@ fn random_legal(env: &dyn Environment, seat: SeatId, rng: &mut ChaCha8Rng) -> Op
     (!ids.is_empty()).then(|| Action::Id(ids[rng.random_range(0..ids.len())]))
 }
 
+/// Generation options for one batched reply: the config's sampling and length, a fresh seed
+/// drawn from `rng`, stopping at EOS, with the KV cache.
+fn reply_options(config: &RolloutConfig, rng: &mut ChaCha8Rng) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens: config.max_new_tokens,
+        sampling: config.sampling.clone(),
+        seed: rng.random(),
+        stop_at_eos: true,
+        use_cache: true,
+    }
+}
+
 /// `free` mode: one batched generation for all rows; invalid replies handled per the fallback.
 fn decide_free(
     model: &Model,
@@ -314,13 +326,7 @@ fn decide_free(
     for attempt in 0..=retries {
         let rows: Vec<Option<usize>> = todo.iter().map(|&r| Some(pending[r].agent)).collect();
         let (delta, _) = manager.mixed(&rows, false)?;
-        let options = GenerateOptions {
-            max_new_tokens: config.max_new_tokens,
-            sampling: config.sampling.clone(),
-            seed: rng.random(),
-            stop_at_eos: true,
-            use_cache: true,
-        };
+        let options = reply_options(config, rng);
         let batch: Vec<Vec<u32>> = todo.iter().map(|&r| prompts[r].clone()).collect();
         let outputs = generate(&model.lm, &model.tokenizer.eos_token_ids, &batch, &options, Some(&delta as &dyn ProjectionDelta))?;
         let mut still = Vec::new();
@@ -399,13 +405,7 @@ fn decide_constrained(
     }
     let agents: Vec<Option<usize>> = pending.iter().map(|p| Some(p.agent)).collect();
     let (delta, _) = manager.mixed(&agents, false)?;
-    let options = GenerateOptions {
-        max_new_tokens: config.max_new_tokens,
-        sampling: config.sampling.clone(),
-        seed: rng.random(),
-        stop_at_eos: true,
-        use_cache: true,
-    };
+    let options = reply_options(config, rng);
     let prompts: Vec<Vec<u32>> = pending.iter().map(|p| p.prompt_ids.clone()).collect();
     let constraints: Vec<Option<&TokenTrie>> = tries.iter().map(Some).collect();
     let outputs = generate_constrained(
