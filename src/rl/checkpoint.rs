@@ -183,7 +183,7 @@ pub fn clean_staging(run_dir: &Path) -> Result<usize> {
         let name = entry.file_name().to_string_lossy().into_owned();
         let leftover = name.starts_with('.') && (name.contains(".staging-") || name.contains(".old-"));
         if leftover {
-            std::fs::remove_dir_all(entry.path()).map_err(|e| TroupeError::io(&entry.path(), e))?;
+            std::fs::remove_dir_all(entry.path()).map_err(|e| TroupeError::io(entry.path(), e))?;
             removed += 1;
         }
     }
@@ -201,7 +201,7 @@ pub fn load_checkpoint(dir: &Path, manager: &mut MultiAdapterManager, device: &D
     }
     let rng = state.rng.restore(&state_path)?;
     let optimizer_path = dir.join(OPTIMIZER_FILE);
-    let store = TensorStore::open_files(&[optimizer_path.clone()], optimizer_path.clone())?;
+    let store = TensorStore::open_files(std::slice::from_ref(&optimizer_path), optimizer_path.clone())?;
     let mut loaded = manager.clone();
     loaded.load_adapters(&dir.join(ADAPTERS_DIR))?;
     let mut optimizer_states = BTreeMap::new();

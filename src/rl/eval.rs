@@ -13,7 +13,7 @@ use troupe_envs::{Registry, SeatId};
 use super::advantage::mean_std;
 use super::protocols::{is_coding_task, run_protocol, CodingProtocol, ProtocolSetup, ProtocolSummary};
 use super::config::{ActionMode, TrainConfig};
-use super::rollout::{run_episodes_with_baselines, EpisodeRecord};
+use super::rollout::{make_env, run_episodes_with_baselines, EpisodeRecord};
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
@@ -96,10 +96,7 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
     for chunk in seeds.chunks(EVAL_BATCH_EPISODES) {
-        let mut envs = chunk
-            .iter()
-            .map(|_| registry.make_from_spec(&spec).map_err(|e| TroupeError::invalid("env", e.to_string())))
-            .collect::<Result<Vec<_>>>()?;
+        let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
         records.extend(run_episodes_with_baselines(model, manager, &mut envs, chunk, &config.agents.seats, &mut baselines, &rollout, &mut rng)?);
     }
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
@@ -122,7 +119,7 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
     let turns: usize = records.iter().map(|e| e.turns.len()).sum();
     let invalid: usize = records.iter().map(|e| e.turns.iter().filter(|t| t.invalid).count()).sum();
     let steps: Vec<f64> = records.iter().map(|e| e.steps as f64).collect();
-    let probe = registry.make_from_spec(&spec).map_err(|e| TroupeError::invalid("env", e.to_string()))?;
+    let probe = make_env(registry, &spec)?;
     let protocols = if is_coding_task(probe.as_ref()) {
         let setup = ProtocolSetup { env_spec: &spec, registry, seeds: &seeds, seat_agents: &config.agents.seats };
         let mut summaries = Vec::with_capacity(CodingProtocol::ALL.len());

@@ -32,7 +32,7 @@ use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
 use crate::generate::{generate, GenerateOptions};
 use crate::model::{Model, ProjectionDelta};
-use crate::rl::rollout::{chat_prompt, RolloutConfig};
+use crate::rl::rollout::{chat_prompt, make_env, RolloutConfig};
 
 /// The inference-only baselines of the coding task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -438,9 +438,8 @@ fn build_envs(setup: &ProtocolSetup<'_>) -> Result<Vec<Episode>> {
     if setup.seat_agents.len() < 2 {
         return Err(TroupeError::invalid("seat_agents", "the coding task has two seats, each needs an agent"));
     }
-    let env_error = |err: troupe_envs::EnvError| TroupeError::invalid("env", err.to_string());
     // Built once as given first, to name the environment if it is not the coding task.
-    let probe = setup.registry.make_from_spec(setup.env_spec).map_err(env_error)?;
+    let probe = make_env(setup.registry, setup.env_spec)?;
     if !is_coding_task(probe.as_ref()) {
         return Err(TroupeError::invalid(
             "env",
@@ -455,7 +454,7 @@ fn build_envs(setup: &ProtocolSetup<'_>) -> Result<Vec<Episode>> {
         .seeds
         .iter()
         .map(|&seed| {
-            let mut env = setup.registry.make_from_spec(&spec).map_err(env_error)?;
+            let mut env = make_env(setup.registry, &spec)?;
             if !is_coding_task(env.as_ref()) {
                 return Err(TroupeError::invalid("env", "the registry built something other than the coding task"));
             }

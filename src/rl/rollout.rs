@@ -9,13 +9,13 @@
 //!   ([`crate::generate::generate_constrained`]); never invalid, needs a finite action set.
 //! - `choice`: score every legal action's text by its log-likelihood and sample one.
 
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use troupe_envs::policy::Policy;
-use troupe_envs::{Action, Environment, LegalAction, SeatId};
+use troupe_envs::{Action, Environment, LegalAction, Registry, SeatId};
 
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
@@ -473,14 +473,16 @@ fn decide_choice(
     Ok(decided)
 }
 
-/// A `ChaCha8Rng` for rollouts of iteration `iteration` of a run seeded with `seed`.
-pub fn rollout_rng(seed: u64, iteration: u64) -> ChaCha8Rng {
-    ChaCha8Rng::seed_from_u64(seed ^ iteration.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+/// A fresh environment from a spec `{name: ..., <params>...}`; a bad spec is an error naming
+/// `env`.
+pub fn make_env(registry: &Registry, spec: &serde_json::Value) -> Result<Box<dyn Environment>> {
+    registry.make_from_spec(spec).map_err(|e| TroupeError::invalid("env", e.to_string()))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::SeedableRng;
     use crate::adapters::AdapterConfig;
     use crate::model::Preset;
     use burn::tensor::Device;

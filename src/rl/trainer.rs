@@ -18,7 +18,7 @@ use troupe_envs::{Action, Environment, Registry};
 use super::advantage::{mean_std, turn_advantages};
 use super::loss::{policy_loss, TokenWeights};
 use super::rewards::{RewardPipeline, SeatOutcome};
-use super::rollout::{prompt_text, run_episodes, EpisodeRecord, RolloutConfig};
+use super::rollout::{make_env, prompt_text, run_episodes, EpisodeRecord, RolloutConfig};
 use crate::adapters::optim::{adapter_grads, grad_norm_squared, scale_grads, AdapterGrads};
 use crate::adapters::{AdamWConfig, AdamWState, AdapterMode, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
@@ -163,7 +163,7 @@ impl MagrpoTrainer {
         for (seat, agent) in settings.seat_agents.iter().enumerate() {
             manager.adapter_name(*agent).map_err(|_| TroupeError::invalid("seat_agents", format!("seat {seat} maps to agent {agent}, which has no adapter")))?;
         }
-        registry.make_from_spec(&settings.env_spec).map_err(|e| TroupeError::invalid("env", e.to_string()))?;
+        make_env(&registry, &settings.env_spec)?;
         let rng = ChaCha8Rng::seed_from_u64(settings.seed);
         Ok(Self { model, manager, optimizer_states: BTreeMap::new(), iteration: 0, rng, settings, registry })
     }
@@ -191,7 +191,7 @@ impl MagrpoTrainer {
         let mut seeds = Vec::with_capacity(envs.capacity());
         for &start in &starts {
             for _ in 0..s.group_size {
-                envs.push(self.registry.make_from_spec(&s.env_spec).map_err(|e| TroupeError::invalid("env", e.to_string()))?);
+                envs.push(make_env(&self.registry, &s.env_spec)?);
                 seeds.push(start);
             }
         }
@@ -341,10 +341,9 @@ impl MagrpoTrainer {
         }
         let mut rng = ChaCha8Rng::seed_from_u64(self.rng.random());
         let eos = self.model.tokenizer.eos_token_ids.first().copied();
-        let make = || self.registry.make_from_spec(&self.settings.env_spec).map_err(|e| TroupeError::invalid("env", e.to_string()));
         let mut envs: Vec<(Box<dyn Environment>, usize)> = Vec::with_capacity(warmup.batch_size);
         for _ in 0..warmup.batch_size.max(1) {
-            let mut env = make()?;
+            let mut env = make_env(&self.registry, &self.settings.env_spec)?;
             env.reset(rng.random());
             envs.push((env, 0));
         }
