@@ -21,7 +21,7 @@ use crate::model::Model;
 /// Episodes played together in one batch of rollouts.
 pub const EVAL_BATCH_EPISODES: usize = 32;
 
-/// A mean with its standard error (population std / sqrt(n)).
+/// A mean with its standard error (sample std / sqrt(n)).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct MeanStderr {
     /// The mean.
@@ -100,20 +100,16 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
         records.extend(run_episodes_with_baselines(model, manager, &mut envs, chunk, &config.agents.seats, &mut baselines, &rollout, &mut rng)?);
     }
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
+    // Per agent, the seats it plays itself (a seat given to a baseline is not its).
+    let mut agent_seats: BTreeMap<usize, Vec<SeatId>> = BTreeMap::new();
+    for (seat, &agent) in config.agents.seats.iter().enumerate() {
+        if !config.eval.baseline_seats.contains_key(&seat) {
+            agent_seats.entry(agent).or_default().push(seat);
+        }
+    }
     let mut agent_return = BTreeMap::new();
-    let agents: std::collections::BTreeSet<usize> = config
-        .agents
-        .seats
-        .iter()
-        .enumerate()
-        .filter(|(seat, _)| !config.eval.baseline_seats.contains_key(seat))
-        .map(|(_, &a)| a)
-        .collect();
-    for agent in agents {
-        let returns: Vec<f64> = records
-            .iter()
-            .map(|e| e.env_returns.iter().enumerate().filter(|(seat, _)| config.agents.seats[*seat] == agent && !config.eval.baseline_seats.contains_key(seat)).map(|(_, r)| r).sum())
-            .collect();
+    for (agent, seats) in agent_seats {
+        let returns: Vec<f64> = records.iter().map(|e| seats.iter().filter_map(|&seat| e.env_returns.get(seat)).sum()).collect();
         agent_return.insert(agent, MeanStderr::of(&returns));
     }
     let turns: usize = records.iter().map(|e| e.turns.len()).sum();

@@ -459,12 +459,7 @@ pub fn shaped_turn_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline) -
         .iter()
         .map(|t| w_env * t.reward - if t.invalid { w_invalid } else { 0.0 })
         .collect();
-    let seats: Vec<usize> = {
-        let mut s: Vec<usize> = episode.turns.iter().map(|t| t.seat).collect();
-        s.sort_unstable();
-        s.dedup();
-        s
-    };
+    let seats: std::collections::BTreeSet<usize> = episode.turns.iter().map(|t| t.seat).collect();
     for seat in seats {
         let turns: Vec<usize> = (0..episode.turns.len()).filter(|&i| episode.turns[i].seat == seat).collect();
         let env_return: f64 = turns.iter().map(|&i| episode.turns[i].reward).sum();
