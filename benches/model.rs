@@ -1,5 +1,5 @@
 //! Prefill and decode throughput of the base model, tiny and small presets, batch 1 and 16 —
-//! the same workloads as `../shared/tools/peer_bench.py` (prefill: one forward over B x 128
+//! the same workloads as `tools/peer_bench.py` (prefill: one forward over B x 128
 //! tokens with all logits; decode: B prompts of 16 tokens, 64 greedy new tokens, no EOS stop).
 //!
 //! `cargo bench --bench model` (criterion prints elements/s = tokens/s).

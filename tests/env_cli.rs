@@ -17,7 +17,7 @@ fn stderr(out: &Output) -> String {
 }
 
 fn fixture_files() -> Vec<String> {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures/games"));
+    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/games"));
     let mut files: Vec<String> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.expect("entry").path())

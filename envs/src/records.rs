@@ -1,4 +1,4 @@
-//! Game records in the JSONL format of `shared/fixtures/games/` (one whole game per line, action
+//! Game records in the JSONL format of `fixtures/games/` (one whole game per line, action
 //! ids as OpenSpiel numbers them): writing them from episodes played by a policy, and replaying
 //! them move by move, checking every legal list, counter and final score.
 

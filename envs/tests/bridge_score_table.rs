@@ -1,11 +1,11 @@
-//! Every row of `shared/fixtures/games/bridge_score_table.csv` (OpenSpiel's duplicate scorer)
+//! Every row of `fixtures/games/bridge_score_table.csv` (OpenSpiel's duplicate scorer)
 //! matches troupe's scorer exactly.
 
 use troupe_envs::bridge::{score, Contract};
 
 #[test]
 fn every_row_of_the_score_table() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/games/bridge_score_table.csv");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/games/bridge_score_table.csv");
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
     let mut rows = 0;
     let mut mismatches = Vec::new();

@@ -1,4 +1,4 @@
-//! Every game record in `shared/fixtures/games/` (played by OpenSpiel's HLE and bridge) replays
+//! Every game record in `fixtures/games/` (played by OpenSpiel's HLE and bridge) replays
 //! move by move: every legal list, counter and final score matches.
 
 use std::path::PathBuf;
@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use troupe_envs::records::{replay_file, ReplayReport};
 
 fn fixtures() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/fixtures/games"))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/games"))
 }
 
 fn replay(name: &str) -> ReplayReport {

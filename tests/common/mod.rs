@@ -5,15 +5,15 @@
 
 use std::path::PathBuf;
 
-/// `../shared/fixtures/models` beside the checkout (CI clones with `shared/` next to it).
+/// `fixtures/models` in this repository (see `fixtures/README.md`).
 pub fn models_dir() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/fixtures/models"))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/models"))
 }
 
 /// Every fixture model directory, sorted.
 pub fn fixture_models() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(models_dir())
-        .expect("../shared/fixtures/models must exist beside the checkout")
+        .expect("fixtures/models is part of the repository")
         .map(|e| e.unwrap().path())
         .filter(|p| p.join("config.json").exists())
         .collect();
