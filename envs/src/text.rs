@@ -14,6 +14,24 @@ pub fn answer_span(text: &str) -> &str {
     text
 }
 
+/// `text` without its notes: every `[...]` span (an unclosed `[` runs to the end) removed.
+pub fn strip_notes(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.contains('[') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut depth = 0usize;
+    for ch in text.chars() {
+        match ch {
+            '[' => depth += 1,
+            ']' if depth > 0 => depth -= 1,
+            _ if depth == 0 => out.push(ch),
+            _ => {}
+        }
+    }
+    std::borrow::Cow::Owned(out)
+}
+
 /// Splits `text` into lowercase tokens of letters or digits; a letter-digit boundary
 /// also splits (`card2` -> `card`, `2`), so do `#`, punctuation and spaces.
 pub fn tokens(text: &str) -> Vec<String> {

@@ -2,6 +2,7 @@
 //! with a progress bar on stderr, metrics and checkpoints in the run directory, and a JSON
 //! summary on stdout.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -55,7 +56,9 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>) -> anyhow::Res
         (None, None) => anyhow::bail!("give --config FILE, or --resume RUN_DIR"),
     };
     let total = run.config.run.iterations as u64;
-    let bar = if args.quiet { ProgressBar::hidden() } else { ProgressBar::new(total) };
+    // indicatif draws nothing when stderr is not a terminal; then every line is printed as is.
+    let plain = args.quiet || !std::io::stderr().is_terminal();
+    let bar = if plain { ProgressBar::hidden() } else { ProgressBar::new(total) };
     bar.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:30} {pos}/{len} it  {msg}  (eta {eta})")
             .expect("valid template")
@@ -96,7 +99,11 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>) -> anyhow::Res
                 "iteration {}: mean return {mean_return:+.3}, score {score:.2}, invalid rate {:.3}, loss {:+.4}, lr {:.2e}, {:.0} tok/s, {:.1} s",
                 metrics.iteration, metrics.invalid_rate, metrics.loss, metrics.lr, metrics.tokens_per_second, metrics.seconds
             );
-            if args.quiet {
+            let line = match (metrics.extra.get("eval_score"), metrics.extra.get("eval_score_stderr")) {
+                (Some(score), Some(stderr)) => format!("{line}; held-out score {score:.2} ± {stderr:.2}"),
+                _ => line,
+            };
+            if plain {
                 eprintln!("{line}");
             } else {
                 bar.println(line);

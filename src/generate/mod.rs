@@ -2,6 +2,7 @@
 //! constrained per row to a set of token sequences ([`constrained`]), and scoring: the
 //! log-probability of each token given those before it.
 
+pub mod choice;
 pub mod constrained;
 pub mod sampler;
 

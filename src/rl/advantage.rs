@@ -44,6 +44,13 @@ pub fn discounted_returns(rewards: &[f64], gamma: f64) -> Vec<f64> {
 /// single-turn group reduces to [`group_advantages`] of the returns.
 pub fn turn_advantages(rewards: &[Vec<f64>], gamma: f64, normalize_std: bool) -> Vec<Vec<f64>> {
     let returns: Vec<Vec<f64>> = rewards.iter().map(|r| discounted_returns(r, gamma)).collect();
+    like_turn_advantages(&returns, normalize_std)
+}
+
+/// Group-relative advantages of per-turn returns: `returns[j][t]` (sample j's return from its
+/// turn t on) against the group's mean (and std) at the same turn index, over the samples that
+/// reached it.
+pub fn like_turn_advantages(returns: &[Vec<f64>], normalize_std: bool) -> Vec<Vec<f64>> {
     let turns = returns.iter().map(Vec::len).max().unwrap_or(0);
     let mut out: Vec<Vec<f64>> = returns.iter().map(|r| vec![0.0; r.len()]).collect();
     for t in 0..turns {

@@ -34,6 +34,7 @@ pub use super::rollout::{ActionMode, Fallback};
 use super::trainer::TrainerSettings;
 use crate::adapters::{AdamWConfig, AdapterConfig, AdapterMode};
 use crate::error::{Result, TroupeError};
+use crate::generate::choice::ChoiceScore;
 use crate::generate::sampler::SamplingConfig;
 use crate::model::{Preset, Projection};
 
@@ -216,6 +217,9 @@ pub struct ActionSection {
     pub top_k: usize,
     /// Wrap prompts in the model's chat template when it has one.
     pub chat_template: bool,
+    /// `choice` mode: score a legal action by its log-likelihood (`sum`) or its mean
+    /// log-probability per token (`mean`, length-normalised).
+    pub choice_score: ChoiceScore,
 }
 
 impl Default for ActionSection {
@@ -230,6 +234,7 @@ impl Default for ActionSection {
             top_p: 1.0,
             top_k: 0,
             chat_template: true,
+            choice_score: ChoiceScore::Sum,
         }
     }
 }
@@ -276,6 +281,9 @@ pub struct TrainingSection {
     pub format_warmup_batch: usize,
     /// Learning rate of the format warm-up.
     pub format_warmup_lr: f64,
+    /// Rows (replies, or `choice` decisions) per forward/backward micro-batch of the update: a
+    /// memory and speed setting, not part of the experiment's maths.
+    pub micro_batch_rows: usize,
 }
 
 impl TrainingSection {
@@ -309,6 +317,7 @@ impl Default for TrainingSection {
             format_warmup_steps: 0,
             format_warmup_batch: 16,
             format_warmup_lr: 1.0e-3,
+            micro_batch_rows: 16,
         }
     }
 }
@@ -343,11 +352,22 @@ pub struct EvalSection {
     /// Seats played by a baseline policy instead of their agent: seat -> policy name
     /// (`random`, `rule`, `canonical`).
     pub baseline_seats: BTreeMap<usize, String>,
+    /// Evaluation episodes end after this many steps; `null` (the default) plays them to the
+    /// end, as the references score games (a training move cap is `training.max_episode_steps`).
+    pub max_episode_steps: Option<usize>,
+    /// During training, a held-out evaluation every this many iterations (0: none), on the
+    /// same `every_episodes` deals each time, written to `metrics.jsonl` as `eval_score` and
+    /// `eval_score_stderr`.
+    pub every: usize,
+    /// Episodes of each evaluation during training.
+    pub every_episodes: usize,
+    /// Episodes played together in one batch of rollouts.
+    pub batch_episodes: usize,
 }
 
 impl Default for EvalSection {
     fn default() -> Self {
-        Self { episodes: 20, seed: 1_000_000, baseline_seats: BTreeMap::new() }
+        Self { episodes: 20, seed: 1_000_000, baseline_seats: BTreeMap::new(), max_episode_steps: None, every: 0, every_episodes: 32, batch_episodes: 64 }
     }
 }
 
@@ -546,6 +566,22 @@ impl TrainConfig {
         if self.eval.episodes == 0 {
             return fail("eval.episodes", "must be at least 1".into());
         }
+        if self.eval.max_episode_steps == Some(0) {
+            return fail("eval.max_episode_steps", "must be at least 1, or null for whole episodes".into());
+        }
+        if self.eval.every > 0 && self.eval.every_episodes == 0 {
+            return fail("eval.every_episodes", "must be at least 1 when eval.every > 0".into());
+        }
+        if self.eval.batch_episodes == 0 {
+            return fail("eval.batch_episodes", "must be at least 1".into());
+        }
+        if t.micro_batch_rows == 0 {
+            return fail("training.micro_batch_rows", "must be at least 1".into());
+        }
+        if self.action.mode == ActionMode::Choice && (self.action.top_k != 0 || self.action.top_p < 1.0) {
+            let key = if self.action.top_k != 0 { "action.top_k" } else { "action.top_p" };
+            return fail(key, "`choice` mode samples from softmax(log-likelihood / temperature) over the legal actions; top_k and top_p do not apply (set 0 and 1.0)".into());
+        }
         for (&seat, policy) in &self.eval.baseline_seats {
             if seat >= self.agents.seats.len() {
                 return fail(
@@ -572,6 +608,19 @@ impl TrainConfig {
         }
     }
 
+    /// The rollout settings of evaluation: `action:`, whole episodes (or
+    /// `eval.max_episode_steps`), and an invalid reply never ends an episode with its points
+    /// kept: `end_episode` becomes `random` (a uniformly random legal action replaces it, and
+    /// it counts in the invalid rate).
+    pub fn eval_rollout_config(&self) -> RolloutConfig {
+        let mut rollout = self.rollout_config();
+        rollout.max_episode_steps = self.eval.max_episode_steps.unwrap_or(usize::MAX);
+        if rollout.fallback == Fallback::EndEpisode {
+            rollout.fallback = Fallback::Random;
+        }
+        rollout
+    }
+
     /// The rollout settings of `action:` (and `training.max_episode_steps`).
     pub fn rollout_config(&self) -> RolloutConfig {
         RolloutConfig {
@@ -583,12 +632,12 @@ impl TrainConfig {
             sampling: self.action.sampling(),
             chat_template: self.action.chat_template,
             max_episode_steps: self.training.max_episode_steps,
+            choice_score: self.action.choice_score,
         }
     }
 
-    /// What [`crate::rl::trainer::MagrpoTrainer`] needs from this config; `micro_batch_rows`
-    /// (rows per forward/backward pass) is a memory setting, not part of the experiment.
-    pub fn trainer_settings(&self, micro_batch_rows: usize) -> Result<TrainerSettings> {
+    /// What [`crate::rl::trainer::MagrpoTrainer`] needs from this config.
+    pub fn trainer_settings(&self) -> Result<TrainerSettings> {
         let t = &self.training;
         Ok(TrainerSettings {
             env_spec: self.env.spec(),
@@ -608,7 +657,7 @@ impl TrainConfig {
                 batch_size: t.format_warmup_batch,
                 lr: t.format_warmup_lr,
             },
-            micro_batch_rows,
+            micro_batch_rows: t.micro_batch_rows,
             seed: self.run.seed,
         })
     }
@@ -1080,11 +1129,11 @@ mod tests {
         let config = parse(
             "run: {seed: 7}\nenv: {name: bridge}\nagents: {seats: [0, 1, 0, 1]}\n\
              action: {mode: choice, fallback: end_episode, temperature: 0.5, max_new_tokens: 5}\n\
-             training: {group_size: 3, lr: 2.0e-4, warmup_iterations: 4, weight_decay: 0.1, max_episode_steps: 9}",
+             training: {group_size: 3, lr: 2.0e-4, warmup_iterations: 4, weight_decay: 0.1, max_episode_steps: 9, micro_batch_rows: 4}",
             &[],
         )
         .unwrap();
-        let settings = config.trainer_settings(4).unwrap();
+        let settings = config.trainer_settings().unwrap();
         assert_eq!(settings.env_spec, serde_json::json!({"name": "bridge"}));
         assert_eq!(settings.seat_agents, vec![0, 1, 0, 1]);
         assert_eq!((settings.group_size, settings.groups_per_iteration, settings.seed), (3, 2, 7));

@@ -18,9 +18,6 @@ use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
 
-/// Episodes played together in one batch of rollouts.
-pub const EVAL_BATCH_EPISODES: usize = 32;
-
 /// A mean with its standard error (sample std / sqrt(n)).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct MeanStderr {
@@ -73,6 +70,9 @@ pub struct EvalSummary {
 
 /// Plays `episodes` episodes of the config's environment with `manager`'s adapters on seeds
 /// `config.eval.seed + i`, seating `config.eval.baseline_seats` policies in place of agents.
+/// Episodes run to their end (or `eval.max_episode_steps`), and an invalid reply is replaced
+/// by a random legal action rather than ending the episode ([`TrainConfig::eval_rollout_config`]),
+/// so a game scores what the references would score it.
 pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConfig, episodes: usize, registry: &Registry) -> Result<EvalSummary> {
     let started = Instant::now();
     if episodes == 0 {
@@ -90,12 +90,12 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
     for (&seat, name) in &config.eval.baseline_seats {
         baselines.insert(seat, policy_by_name(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?);
     }
-    let rollout = config.rollout_config();
+    let rollout = config.eval_rollout_config();
     let spec = config.env.spec();
     let mut rng = ChaCha8Rng::seed_from_u64(config.eval.seed);
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
-    for chunk in seeds.chunks(EVAL_BATCH_EPISODES) {
+    for chunk in seeds.chunks(config.eval.batch_episodes.max(1)) {
         let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
         records.extend(run_episodes_with_baselines(model, manager, &mut envs, chunk, &config.agents.seats, &mut baselines, &rollout, &mut rng)?);
     }

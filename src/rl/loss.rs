@@ -67,11 +67,19 @@ pub fn policy_loss(logprobs: Tensor<2>, weights: &TokenWeights, reference: Optio
     let (advantage, mask) = weights.tensors(&logprobs.device());
     let mut loss = (logprobs.clone() * advantage).sum().neg();
     if let Some((reference, kl_coef)) = reference {
-        let diff = reference.detach() - logprobs;
-        let k3 = (diff.clone().exp() - diff - 1.0) * mask;
-        loss = loss + k3.sum() * kl_coef;
+        loss = loss + (k3_estimate(reference.detach(), logprobs) * mask).sum() * kl_coef;
     }
     Ok(loss * (scale / tokens))
+}
+
+/// The non-negative per-token KL estimator `k3 = exp(ref - logp) - (ref - logp) - 1` of
+/// KL(policy || reference), from the sampled tokens' log-probs under each.
+///
+/// # Shapes
+/// `reference`, `logprobs`: `[rows, positions]` -> `[rows, positions]`
+pub fn k3_estimate(reference: Tensor<2>, logprobs: Tensor<2>) -> Tensor<2> {
+    let diff = reference - logprobs;
+    diff.clone().exp() - diff - 1.0
 }
 
 #[cfg(test)]

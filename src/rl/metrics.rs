@@ -74,6 +74,9 @@ impl From<&IterationStats> for IterationMetrics {
         if let Some(kl) = stats.kl {
             extra.insert("kl".to_string(), kl);
         }
+        for (phase, seconds) in &stats.phase_seconds {
+            extra.insert(format!("seconds_{phase}"), *seconds);
+        }
         Self {
             iteration: stats.iteration,
             mean_return: stats.mean_return.clone(),
@@ -279,6 +282,7 @@ mod tests {
             seconds: 1.5,
             kl: Some(0.125),
             mean_episode_steps: 6.0,
+            phase_seconds: [("rollout".to_string(), 1.0), ("update".to_string(), 0.5)].into_iter().collect(),
         };
         let line = IterationMetrics::from(&stats);
         assert_eq!(line.iteration, 4);
@@ -288,6 +292,7 @@ mod tests {
         assert_eq!(line.extra["score"], 3.5);
         assert_eq!(line.extra["episode_steps"], 6.0);
         assert_eq!(line.extra["kl"], 0.125);
+        assert_eq!((line.extra["seconds_rollout"], line.extra["seconds_update"]), (1.0, 0.5));
         let without_kl = IterationMetrics::from(&IterationStats { kl: None, ..stats });
         assert!(!without_kl.extra.contains_key("kl"));
     }

@@ -649,6 +649,7 @@ mod tests {
             sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
             chat_template: true,
             max_episode_steps: 4,
+            choice_score: crate::generate::choice::ChoiceScore::Sum,
         }
     }
 

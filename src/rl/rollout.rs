@@ -19,7 +19,8 @@ use troupe_envs::{Action, Environment, LegalAction, Registry, SeatId};
 
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
-use crate::generate::{generate, generate_constrained, score_rows, GenerateOptions, SamplingConfig, TokenTrie};
+use crate::generate::choice::{score_choices, ChoiceScore};
+use crate::generate::{generate, generate_constrained, GenerateOptions, SamplingConfig, TokenTrie};
 use crate::model::{ChatMessage, Model, ProjectionDelta};
 
 /// How agents' text becomes actions.
@@ -79,6 +80,9 @@ pub struct RolloutConfig {
     pub chat_template: bool,
     /// Episodes stop after this many environment steps.
     pub max_episode_steps: usize,
+    /// In `choice` mode, how a legal action's token log-probs make its score (the policy is
+    /// `softmax(score / temperature)`).
+    pub choice_score: ChoiceScore,
 }
 
 /// One agent reply that went into the environment.
@@ -96,6 +100,22 @@ pub struct Turn {
     pub reward: f64,
     /// Whether the reply was not a legal action.
     pub invalid: bool,
+    /// The invalid-reply penalty included in `reward` (0 for a valid reply).
+    pub penalty: f64,
+    /// The environment step (0-based) this reply acted in.
+    pub step: usize,
+    /// In `choice` mode: every candidate the policy chose among and which it took
+    /// (`completion_ids` is then `candidates[chosen]`).
+    pub choice: Option<ChoiceTurn>,
+}
+
+/// A `choice`-mode decision: the legal actions' token sequences and the one sampled.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChoiceTurn {
+    /// Each legal action's tokens, in the environment's order.
+    pub candidates: Vec<Vec<u32>>,
+    /// Index of the action taken.
+    pub chosen: usize,
 }
 
 /// A finished episode.
@@ -111,6 +131,8 @@ pub struct EpisodeRecord {
     pub metrics: troupe_envs::EpisodeMetrics,
     /// Environment steps taken.
     pub steps: usize,
+    /// `[step][seat]`: every seat's environment reward at every step (penalties excluded).
+    pub step_rewards: Vec<Vec<f64>>,
 }
 
 impl EpisodeRecord {
@@ -168,6 +190,7 @@ struct Decided {
     action: Option<Action>,
     completion_ids: Vec<u32>,
     invalid: bool,
+    choice: Option<ChoiceTurn>,
 }
 
 /// Runs one episode per environment in `envs` (reset with `seeds[i]`) to the end, batching
@@ -208,7 +231,7 @@ pub fn run_episodes_with_baselines(
         if seat_agents.len() < env.num_seats() {
             return Err(TroupeError::invalid("seat_agents", format!("{} seats need an agent each", env.num_seats())));
         }
-        records.push(EpisodeRecord { seed, turns: Vec::new(), env_returns: vec![0.0; env.num_seats()], metrics: Default::default(), steps: 0 });
+        records.push(EpisodeRecord { seed, turns: Vec::new(), env_returns: vec![0.0; env.num_seats()], metrics: Default::default(), steps: 0, step_rewards: Vec::new() });
     }
     let mut ended = vec![false; envs.len()];
     loop {
@@ -267,10 +290,12 @@ pub fn run_episodes_with_baselines(
                     vec![0.0; record.env_returns.len()]
                 }
             };
+            let step = record.steps;
             record.steps += 1;
             for (seat, reward) in step_rewards.iter().enumerate() {
                 record.env_returns[seat] += reward;
             }
+            record.step_rewards.push(step_rewards.clone());
             for &r in &rows {
                 let p = &pending[r];
                 let d = &decided[r];
@@ -282,6 +307,9 @@ pub fn run_episodes_with_baselines(
                     completion_ids: d.completion_ids.clone(),
                     reward: step_rewards.get(p.seat).copied().unwrap_or(0.0) + penalty,
                     invalid: d.invalid,
+                    penalty,
+                    step,
+                    choice: d.choice.clone(),
                 });
             }
         }
@@ -334,7 +362,7 @@ fn decide_free(
             let p = &pending[r];
             let text = model.tokenizer.decode(&out.output_ids, true)?;
             match envs[p.episode].parse_action(p.seat, &text) {
-                Ok(action) => decided[r] = Some(Decided { action: Some(action), completion_ids: out.output_ids, invalid: attempt > 0 }),
+                Ok(action) => decided[r] = Some(Decided { action: Some(action), completion_ids: out.output_ids, invalid: attempt > 0, choice: None }),
                 Err(err) if attempt < retries => {
                     let note = format!("Your reply {text:?} was not a legal action: {err}. Answer again.");
                     let prompt = prompt_text(model, envs[p.episode].as_ref(), p.seat, config.chat_template, Some(&note))?;
@@ -346,7 +374,7 @@ fn decide_free(
                         Fallback::EndEpisode => None,
                         Fallback::Random | Fallback::Retry => random_legal(envs[p.episode].as_ref(), p.seat, rng),
                     };
-                    decided[r] = Some(Decided { action, completion_ids: out.output_ids, invalid: true });
+                    decided[r] = Some(Decided { action, completion_ids: out.output_ids, invalid: true, choice: None });
                 }
             }
         }
@@ -421,13 +449,16 @@ fn decide_constrained(
         .zip(legal_ids)
         .map(|(out, ids)| {
             let picked = out.sequence.expect("a constrained row always completes a sequence");
-            Decided { action: Some(Action::Id(ids[picked])), completion_ids: out.output_ids, invalid: false }
+            Decided { action: Some(Action::Id(ids[picked])), completion_ids: out.output_ids, invalid: false, choice: None }
         })
         .collect())
 }
 
-/// `choice` mode: score every legal action's text after each row's prompt in one mixed batch,
-/// sample from the softmax of the summed log-likelihoods.
+/// `choice` mode: every legal action's text is scored after its row's prompt, all rows in one
+/// packed forward ([`score_choices`]: each prompt read once, its keys and values shared by all
+/// its candidates), and an action is sampled from `softmax(log-likelihood / temperature)` (the
+/// most likely at temperature 0). That distribution is the policy the trainer's choice
+/// objective differentiates.
 fn decide_choice(
     model: &Model,
     manager: &MultiAdapterManager,
@@ -437,40 +468,51 @@ fn decide_choice(
     rng: &mut ChaCha8Rng,
 ) -> Result<Vec<Decided>> {
     let mut candidates: Vec<Vec<(u32, Vec<u32>)>> = Vec::with_capacity(pending.len());
-    let mut rows = Vec::new();
-    let mut agents = Vec::new();
     for p in pending {
         let legal = finite_legal_actions(envs, p, ActionMode::Choice)?;
         let mut list = Vec::with_capacity(legal.len());
         for action in legal {
-            let ids = model.tokenizer.encode(&action.text)?;
-            let mut row = p.prompt_ids.clone();
-            row.extend_from_slice(&ids);
-            rows.push(row);
-            agents.push(Some(p.agent));
-            list.push((action.id, ids));
+            list.push((action.id, model.tokenizer.encode(&action.text)?));
         }
         candidates.push(list);
     }
+    let token_lists: Vec<Vec<Vec<u32>>> = candidates.iter().map(|l| l.iter().map(|(_, ids)| ids.clone()).collect()).collect();
+    let agents: Vec<Option<usize>> = pending.iter().map(|p| Some(p.agent)).collect();
     let (delta, _) = manager.mixed(&agents, false)?;
-    let scores = score_rows(&model.lm, &rows, Some(&delta as &dyn ProjectionDelta))?;
+    let decisions: Vec<(&[u32], &[Vec<u32>])> =
+        pending.iter().zip(&token_lists).map(|(p, c)| (p.prompt_ids.as_slice(), c.as_slice())).collect();
+    let scores = score_choices(&model.lm, &decisions, config.choice_score, Some(&delta as &dyn ProjectionDelta))?;
+    let temperature = config.sampling.temperature;
     let mut decided = Vec::with_capacity(pending.len());
-    let mut next = 0;
-    for list in candidates {
-        let likelihoods: Vec<f32> = list
-            .iter()
-            .enumerate()
-            .map(|(k, (_, ids))| {
-                let row = &scores[next + k];
-                row[row.len() - ids.len()..].iter().sum()
-            })
-            .collect();
-        next += list.len();
-        let pick = crate::generate::sampler::sample(&likelihoods, &config.sampling, rng) as usize;
-        let (id, ids) = list.into_iter().nth(pick).expect("sampled index is in range");
-        decided.push(Decided { action: Some(Action::Id(id)), completion_ids: ids, invalid: false });
+    for ((list, tokens), likelihoods) in candidates.into_iter().zip(token_lists).zip(scores) {
+        let pick = sample_choice(&likelihoods, temperature, rng);
+        decided.push(Decided {
+            action: Some(Action::Id(list[pick].0)),
+            completion_ids: tokens[pick].clone(),
+            invalid: false,
+            choice: Some(ChoiceTurn { candidates: tokens, chosen: pick }),
+        });
     }
     Ok(decided)
+}
+
+/// Samples an index from `softmax(logliks / temperature)`; the most likely (first on ties) at
+/// temperature 0.
+pub fn sample_choice(logliks: &[f32], temperature: f32, rng: &mut ChaCha8Rng) -> usize {
+    if temperature <= 0.0 {
+        return logliks.iter().enumerate().fold(0, |best, (i, &v)| if v > logliks[best] { i } else { best });
+    }
+    let max = logliks.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let weights: Vec<f64> = logliks.iter().map(|&v| f64::from((v - max) / temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut draw = rng.random::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if draw < *w {
+            return i;
+        }
+        draw -= w;
+    }
+    weights.len() - 1
 }
 
 /// A fresh environment from a spec `{name: ..., <params>...}`; a bad spec is an error naming
@@ -507,6 +549,7 @@ mod tests {
             sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
             chat_template: true,
             max_episode_steps: 4,
+            choice_score: ChoiceScore::Sum,
         }
     }
 

@@ -19,9 +19,6 @@ use crate::adapters::{AdapterMode, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
 
-/// Rows per forward/backward micro-batch of the policy loss.
-pub const MICRO_BATCH_ROWS: usize = 8;
-
 /// A run in progress: its directory, config, trainer and metrics file.
 pub struct TrainingRun {
     /// The run directory.
@@ -78,7 +75,7 @@ impl TrainingRun {
         }
         let model = load_model(&config, device)?;
         let manager = fresh_adapters(&config, &model, device)?;
-        let trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings(MICRO_BATCH_ROWS)?)?;
+        let trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
         config.save(&run_dir)?;
         let _ = std::fs::remove_file(super::metrics::metrics_path(&run_dir));
         let metrics = MetricsWriter::open(&run_dir)?;
@@ -115,7 +112,7 @@ impl TrainingRun {
         let model = load_model(&config, device)?;
         let mut manager = fresh_adapters(&config, &model, device)?;
         let checkpoint = load_checkpoint(&dir, &mut manager, device)?;
-        let mut trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings(MICRO_BATCH_ROWS)?)?;
+        let mut trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
         trainer.iteration = checkpoint.iteration;
         trainer.rng = checkpoint.rng;
         trainer.optimizer_states = checkpoint.optimizer_states;
@@ -154,12 +151,33 @@ impl TrainingRun {
             metrics.extra.insert("format_warmup_seconds".into(), warmup_seconds);
             metrics.seconds += warmup_seconds;
         }
-        self.metrics.append(&metrics)?;
         let iteration = stats.iteration;
+        let eval = &self.config.eval;
+        if eval.every > 0 && iteration % eval.every as u64 == 0 {
+            let started = std::time::Instant::now();
+            let summary = self.held_out_eval()?;
+            metrics.extra.insert("eval_score".into(), summary.score.mean);
+            metrics.extra.insert("eval_score_stderr".into(), summary.score.stderr);
+            metrics.extra.insert("eval_episode_steps".into(), summary.mean_steps);
+            metrics.extra.insert("eval_invalid_rate".into(), summary.invalid_rate);
+            metrics.extra.insert("seconds_eval".into(), started.elapsed().as_secs_f64());
+            metrics.seconds += started.elapsed().as_secs_f64();
+        }
+        self.metrics.append(&metrics)?;
         if iteration % self.config.run.checkpoint_every as u64 == 0 || iteration >= self.config.run.iterations as u64 {
             self.checkpoint()?;
         }
         Ok(metrics)
+    }
+
+    /// The agents' held-out evaluation during training: `eval.every_episodes` whole episodes
+    /// on the fixed deals `eval.seed + i`, every seat played by its agent. Its randomness is its
+    /// own (seeded from `eval.seed`), so it does not change the run's random stream.
+    pub fn held_out_eval(&self) -> Result<super::eval::EvalSummary> {
+        let mut config = self.config.clone();
+        config.eval.baseline_seats.clear();
+        let t = &self.trainer;
+        super::eval::evaluate(&t.model, &t.manager, &config, config.eval.every_episodes, t.registry())
     }
 
     /// Writes a checkpoint of the current state now.

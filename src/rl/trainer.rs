@@ -15,13 +15,14 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use troupe_envs::{Action, Environment, Registry};
 
-use super::advantage::{mean_std, turn_advantages};
-use super::loss::{policy_loss, TokenWeights};
+use super::advantage::{like_turn_advantages, mean_std};
+use super::loss::{k3_estimate, policy_loss, TokenWeights};
 use super::rewards::{RewardPipeline, SeatOutcome};
-use super::rollout::{make_env, prompt_text, run_episodes, EpisodeRecord, RolloutConfig};
+use super::rollout::{make_env, prompt_text, run_episodes, ChoiceTurn, EpisodeRecord, RolloutConfig};
 use crate::adapters::optim::{adapter_grads, grad_norm_squared, scale_grads, AdapterGrads};
 use crate::adapters::{AdamWConfig, AdamWState, AdapterMode, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
+use crate::generate::choice::{candidate_logliks, choice_log_policy, chosen_indices, PackedChoices};
 use crate::generate::{next_token_logprobs, ScoringBatch};
 use crate::model::Model;
 
@@ -110,6 +111,10 @@ pub struct IterationStats {
     pub kl: Option<f64>,
     /// Mean environment steps per episode.
     pub mean_episode_steps: f64,
+    /// Wall time of each phase: `rollout` (generation or scoring, environments, rewards),
+    /// `update` (the policy loss's forward and backward passes) and `optimizer` (clipping and
+    /// AdamW).
+    pub phase_seconds: BTreeMap<String, f64>,
 }
 
 /// The trainer: a model, the agents' adapters, their optimizer states, the iteration count.
@@ -149,9 +154,23 @@ fn label_non_finite(err: TroupeError, place: &str) -> TroupeError {
 /// One reply to train on.
 struct Sample {
     agent: usize,
+    /// Prompt then reply (for a `choice` decision, the prompt alone).
     tokens: Vec<u32>,
     prompt_len: usize,
     advantage: f64,
+    /// A `choice` decision: the policy is the softmax over these candidates.
+    choice: Option<ChoiceTurn>,
+}
+
+impl Sample {
+    /// What the loss averages over for this sample: its reply tokens, or one decision.
+    fn units(&self) -> usize {
+        if self.choice.is_some() {
+            1
+        } else {
+            self.tokens.len() - self.prompt_len
+        }
+    }
 }
 
 impl MagrpoTrainer {
@@ -171,6 +190,11 @@ impl MagrpoTrainer {
     /// The settings the trainer was built with.
     pub fn settings(&self) -> &TrainerSettings {
         &self.settings
+    }
+
+    /// The registry environments are built from.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// The learning rate of iteration `iteration` (1-based): linear warm-up, then constant.
@@ -205,32 +229,29 @@ impl MagrpoTrainer {
     }
 
     /// Turns groups of episodes into weighted samples: per agent, each of its turns gets its
-    /// discounted return-to-go (of the shaped rewards, [`shaped_turn_rewards`]) against the
-    /// group's at the same turn.
-    fn samples(&self, groups: &[Vec<EpisodeRecord>], shaped: &[Vec<Vec<f64>>]) -> Vec<Sample> {
+    /// seat's discounted return-to-go (`returns`, from [`turn_returns`]) against the group's at
+    /// the agent's same turn index.
+    fn samples(&self, groups: &[Vec<EpisodeRecord>], returns: &[Vec<Vec<f64>>]) -> Vec<Sample> {
         let mut samples = Vec::new();
-        let agents: Vec<usize> = {
-            let mut a = self.settings.seat_agents.clone();
-            a.sort_unstable();
-            a.dedup();
-            a
-        };
-        for (group, group_rewards) in groups.iter().zip(shaped) {
+        let agents: std::collections::BTreeSet<usize> = self.settings.seat_agents.iter().copied().collect();
+        for (group, group_returns) in groups.iter().zip(returns) {
             for &agent in &agents {
-                let rewards: Vec<Vec<f64>> = group
+                let per_episode: Vec<Vec<f64>> = group
                     .iter()
-                    .zip(group_rewards)
-                    .map(|(e, r)| e.turns.iter().zip(r).filter(|(t, _)| t.agent == agent).map(|(_, r)| *r).collect())
+                    .zip(group_returns)
+                    .map(|(e, r)| e.turns.iter().zip(r).filter(|(t, _)| t.agent == agent).map(|(_, g)| *g).collect())
                     .collect();
-                let advantages = turn_advantages(&rewards, self.settings.gamma, self.settings.normalize_std);
+                let advantages = like_turn_advantages(&per_episode, self.settings.normalize_std);
                 for (episode, adv) in group.iter().zip(advantages) {
                     for (turn, a) in episode.turns.iter().filter(|t| t.agent == agent).zip(adv) {
                         if turn.completion_ids.is_empty() {
                             continue;
                         }
                         let mut tokens = turn.prompt_ids.clone();
-                        tokens.extend_from_slice(&turn.completion_ids);
-                        samples.push(Sample { agent, tokens, prompt_len: turn.prompt_ids.len(), advantage: a });
+                        if turn.choice.is_none() {
+                            tokens.extend_from_slice(&turn.completion_ids);
+                        }
+                        samples.push(Sample { agent, tokens, prompt_len: turn.prompt_ids.len(), advantage: a, choice: turn.choice.clone() });
                     }
                 }
             }
@@ -238,30 +259,35 @@ impl MagrpoTrainer {
         samples
     }
 
-    /// The summed gradients of the token-weighted loss over `samples` (each agent's loss a
-    /// mean over its own completion tokens), in micro-batches of mixed-adapter rows, plus the
-    /// KL penalty to the base model when `kl_coef` > 0. Nothing is updated.
+    /// The summed gradients of the policy loss over `samples`, in micro-batches of
+    /// mixed-adapter rows, plus the KL penalty to the base model when `kl_coef` > 0. Nothing is
+    /// updated. Each agent's loss is a mean over its own units: reply tokens weighted by their
+    /// sample's advantage (`-A log p(token)`), or, for `choice` decisions, `-A log pi(a)` with
+    /// `pi = softmax(log-likelihood / temperature)` over the decision's candidates, so every
+    /// candidate's tokens get gradient through the normaliser.
     fn backward_samples(&self, samples: &[Sample], seed: u64, kl_coef: f64) -> Result<BackwardPass> {
-        let mut tokens_per_agent: BTreeMap<usize, usize> = BTreeMap::new();
+        let mut units_per_agent: BTreeMap<usize, usize> = BTreeMap::new();
         for s in samples {
-            *tokens_per_agent.entry(s.agent).or_default() += s.tokens.len() - s.prompt_len;
+            *units_per_agent.entry(s.agent).or_default() += s.units();
         }
         let shared_divisor = match self.manager.mode() {
-            AdapterMode::Shared => tokens_per_agent.len().max(1) as f64,
+            AdapterMode::Shared => units_per_agent.len().max(1) as f64,
             AdapterMode::PerAgent => 1.0,
         };
-        let mut grads: BTreeMap<String, AdapterGrads> = BTreeMap::new();
-        let mut loss_total = 0.0;
-        let (mut kl_sum, mut kl_tokens) = (0.0f64, 0usize);
+        let per_agent = |s: &Sample, x: f64| (x / (units_per_agent[&s.agent] as f64 * shared_divisor)) as f32;
+        let mut pass = BackwardPass { grads: BTreeMap::new(), loss: 0.0, kl_sum: 0.0, kl_tokens: 0, tokens_per_agent: BTreeMap::new() };
         let micro = self.settings.micro_batch_rows.max(1);
-        for (chunk_index, chunk) in samples.chunks(micro).enumerate() {
+        // A sample with zero advantage adds nothing to the policy gradient (it still counts in
+        // its agent's mean): without a KL term it needs no forward or backward pass.
+        let (choices, replies): (Vec<&Sample>, Vec<&Sample>) =
+            samples.iter().filter(|s| kl_coef > 0.0 || s.advantage != 0.0).partition(|s| s.choice.is_some());
+        for (chunk_index, chunk) in replies.chunks(micro).enumerate() {
             let rows: Vec<Option<usize>> = chunk.iter().map(|s| Some(s.agent)).collect();
             let (delta, used) = self.manager.mixed_for_training(&rows, seed ^ chunk_index as u64)?;
             let tokens: Vec<Vec<u32>> = chunk.iter().map(|s| s.tokens.clone()).collect();
             let batch = ScoringBatch::new(&self.model.lm, &tokens)?;
             let logprobs = next_token_logprobs(&self.model.lm, &batch, Some(&delta))?;
             let positions = logprobs.dims()[1];
-            let per_agent = |s: &Sample, x: f64| (x / (tokens_per_agent[&s.agent] as f64 * shared_divisor)) as f32;
             let weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, s.advantage)).collect();
             let prompt_len: Vec<usize> = chunk.iter().map(|s| s.prompt_len).collect();
             let token_weights = TokenWeights::for_completions(&prompt_len, &batch.lengths, &weights, positions);
@@ -274,29 +300,64 @@ impl MagrpoTrainer {
                 let kl_weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, kl_coef)).collect();
                 let per_token = TokenWeights::for_completions(&prompt_len, &batch.lengths, &kl_weights, positions);
                 let (weight, mask) = per_token.tensors(&logprobs.device());
-                let diff = reference - logprobs;
-                let k3: Tensor<2> = diff.clone().exp() - diff - 1.0;
-                kl_sum += f64::from((k3.clone().detach() * mask).sum().into_scalar::<f32>());
-                kl_tokens += per_token.num_tokens();
+                let k3 = k3_estimate(reference, logprobs);
+                pass.kl_sum += f64::from((k3.clone().detach() * mask).sum().into_scalar::<f32>());
+                pass.kl_tokens += per_token.num_tokens();
                 loss = loss + (k3 * weight).sum();
             }
-            let value: f32 = loss.clone().into_scalar();
-            if !value.is_finite() {
-                return Err(TroupeError::NonFinite { message: format!("the loss is {value}; stopped before any update") });
+            self.accumulate(&mut pass, loss, &used)?;
+        }
+        let temperature = f64::from(self.settings.rollout.sampling.temperature);
+        for (chunk_index, chunk) in choices.chunks(micro).enumerate() {
+            let rows: Vec<Option<usize>> = chunk.iter().map(|s| Some(s.agent)).collect();
+            let (delta, used) = self.manager.mixed_for_training(&rows, seed ^ (1 << 32) ^ chunk_index as u64)?;
+            let decisions: Vec<(&[u32], &[Vec<u32>])> = chunk
+                .iter()
+                .map(|s| (&s.tokens[..s.prompt_len], s.choice.as_ref().expect("choice samples").candidates.as_slice()))
+                .collect();
+            let packed = PackedChoices::new(&self.model.lm, &decisions)?;
+            let score = self.settings.rollout.choice_score;
+            let log_policy = choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, Some(&delta))?, temperature);
+            let device = log_policy.device();
+            let chosen: Vec<usize> = chunk.iter().map(|s| s.choice.as_ref().expect("choice samples").chosen).collect();
+            let taken = log_policy.clone().gather(1, chosen_indices(&chosen, &device));
+            let weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, s.advantage)).collect();
+            let weights = Tensor::<2>::from_data(burn::tensor::TensorData::new(weights, [chunk.len(), 1]), &device);
+            let mut loss = (taken * weights).sum().neg();
+            if kl_coef > 0.0 {
+                // The exact KL(pi || pi_base) over the candidates, pi_base with every adapter off.
+                let reference = choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, None)?, temperature).detach();
+                let kl = (log_policy.clone().exp() * (log_policy - reference)).sum_dim(1);
+                pass.kl_sum += f64::from(kl.clone().detach().sum().into_scalar::<f32>());
+                pass.kl_tokens += chunk.len();
+                let kl_weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, kl_coef)).collect();
+                let kl_weights = Tensor::<2>::from_data(burn::tensor::TensorData::new(kl_weights, [chunk.len(), 1]), &device);
+                loss = loss + (kl * kl_weights).sum();
             }
-            loss_total += f64::from(value);
-            let backward = loss.backward();
-            for (name, adapter) in &used {
-                if let Some(g) = adapter_grads(adapter, &backward) {
-                    let summed = match grads.remove(name) {
-                        None => g,
-                        Some(acc) => acc.into_iter().map(|(site, (a, b))| (site, (a + g[&site].0.clone(), b + g[&site].1.clone()))).collect(),
-                    };
-                    grads.insert(name.clone(), summed);
-                }
+            self.accumulate(&mut pass, loss, &used)?;
+        }
+        pass.tokens_per_agent = units_per_agent;
+        Ok(pass)
+    }
+
+    /// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums.
+    fn accumulate(&self, pass: &mut BackwardPass, loss: Tensor<1>, used: &BTreeMap<String, crate::adapters::LoraAdapter>) -> Result<()> {
+        let value: f32 = loss.clone().into_scalar();
+        if !value.is_finite() {
+            return Err(TroupeError::NonFinite { message: format!("the loss is {value}; stopped before any update") });
+        }
+        pass.loss += f64::from(value);
+        let backward = loss.backward();
+        for (name, adapter) in used {
+            if let Some(g) = adapter_grads(adapter, &backward) {
+                let summed = match pass.grads.remove(name) {
+                    None => g,
+                    Some(acc) => acc.into_iter().map(|(site, (a, b))| (site, (a + g[&site].0.clone(), b + g[&site].1.clone()))).collect(),
+                };
+                pass.grads.insert(name.clone(), summed);
             }
         }
-        Ok(BackwardPass { grads, loss: loss_total, kl_sum, kl_tokens, tokens_per_agent })
+        Ok(())
     }
 
     /// One clipped AdamW step per adapter in `grads` at learning rate `lr`, with moments in
@@ -367,7 +428,7 @@ impl MagrpoTrainer {
                     let prompt_len = tokens.len();
                     tokens.extend(self.model.tokenizer.encode(&pick.text)?);
                     tokens.extend(eos);
-                    samples.push(Sample { agent: self.settings.seat_agents[seat], tokens, prompt_len, advantage: 1.0 });
+                    samples.push(Sample { agent: self.settings.seat_agents[seat], tokens, prompt_len, advantage: 1.0, choice: None });
                     actions.push(Action::Id(pick.id));
                 }
                 env.step(&actions).map_err(|e| TroupeError::invalid("format warm-up", e.to_string()))?;
@@ -377,7 +438,9 @@ impl MagrpoTrainer {
             let place = format!("format warm-up step {}", step + 1);
             let pass = self.backward_samples(&samples, rng.random(), 0.0).map_err(|e| label_non_finite(e, &place))?;
             nll.push(pass.loss / agents as f64);
-            tracing::debug!(step = step + 1, nll = pass.loss / agents as f64, "format warm-up");
+            if (step + 1) % (warmup.steps / 10).max(1) == 0 || step + 1 == warmup.steps {
+                tracing::info!("format warm-up step {}/{}: nll {:.3}", step + 1, warmup.steps, pass.loss / agents as f64);
+            }
             self.apply_grads(pass.grads, warmup.lr, &mut states).map_err(|e| label_non_finite(e, &place))?;
         }
         Ok(nll)
@@ -393,19 +456,28 @@ impl MagrpoTrainer {
         let rollout_seconds = started.elapsed().as_secs_f64();
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
         let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
-        let shaped: Vec<Vec<Vec<f64>>> = groups
+        let shaped: Vec<Vec<Vec<Vec<f64>>>> = groups
             .iter()
-            .map(|g| g.iter().map(|e| shaped_turn_rewards(e, &self.settings.rewards)).collect::<Result<Vec<_>>>())
+            .map(|g| g.iter().map(|e| shaped_step_rewards(e, &self.settings.rewards)).collect::<Result<Vec<_>>>())
             .collect::<Result<_>>()?;
-        let samples = self.samples(&groups, &shaped);
+        let returns: Vec<Vec<Vec<f64>>> = groups
+            .iter()
+            .zip(&shaped)
+            .map(|(g, s)| g.iter().zip(s).map(|(e, r)| turn_returns(e, r, self.settings.gamma)).collect())
+            .collect();
+        let samples = self.samples(&groups, &returns);
+        let backward_started = Instant::now();
 
         let pass = self.backward_samples(&samples, iteration_seed, self.settings.kl_coef)
             .map_err(|e| label_non_finite(e, &format!("iteration {iteration}")))?;
+        let update_seconds = backward_started.elapsed().as_secs_f64();
+        let optimizer_started = Instant::now();
         let lr = self.learning_rate(iteration);
         let mut states = std::mem::take(&mut self.optimizer_states);
         let updated = self.apply_grads(pass.grads, lr, &mut states);
         self.optimizer_states = states;
         let grad_norm = updated.map_err(|e| label_non_finite(e, &format!("iteration {iteration}")))?;
+        let optimizer_seconds = optimizer_started.elapsed().as_secs_f64();
         let tokens_per_agent = pass.tokens_per_agent;
         let (loss_total, kl_sum, kl_tokens) = (pass.loss, pass.kl_sum, pass.kl_tokens);
         self.iteration = iteration;
@@ -413,10 +485,18 @@ impl MagrpoTrainer {
         let mut mean_return = BTreeMap::new();
         let mut std_return = BTreeMap::new();
         for &agent in tokens_per_agent.keys().chain(self.settings.seat_agents.iter()) {
-            let returns: Vec<f64> = episodes
+            // An agent's return: the summed shaped rewards of the seats it plays.
+            let returns: Vec<f64> = shaped
                 .iter()
-                .zip(shaped.iter().flatten())
-                .map(|(e, r)| e.turns.iter().zip(r).filter(|(t, _)| t.agent == agent).map(|(_, r)| *r).sum())
+                .flatten()
+                .map(|per_seat| {
+                    per_seat
+                        .iter()
+                        .enumerate()
+                        .filter(|(seat, _)| self.settings.seat_agents.get(*seat) == Some(&agent))
+                        .map(|(_, r)| r.iter().sum::<f64>())
+                        .sum()
+                })
                 .collect();
             let (m, s) = mean_std(&returns);
             mean_return.insert(agent, m);
@@ -439,38 +519,56 @@ impl MagrpoTrainer {
             seconds: started.elapsed().as_secs_f64(),
             kl: (self.settings.kl_coef > 0.0).then(|| kl_sum / kl_tokens.max(1) as f64),
             mean_episode_steps: mean_std(&steps).0,
+            phase_seconds: [("rollout", rollout_seconds), ("update", update_seconds), ("optimizer", optimizer_seconds)]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect(),
         })
     }
 }
 
-/// The reward of every turn of `episode`, in turn order, under the configured pipeline.
+/// Every seat's reward at every step of `episode` under the configured pipeline: `[seat][step]`.
 ///
-/// Per seat, each turn gets `w_env x (its step reward, invalid penalty included)` plus
-/// `-w_invalid` when the reply was invalid; the seat's last turn also gets `w_score x score` and
-/// the difference the processors make to the seat's total, so a seat's turn rewards sum to its
-/// processed episode reward while step-level credit survives (with identity processors and
-/// `env_return` alone, the turn rewards are exactly the step rewards).
-pub fn shaped_turn_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline) -> Result<Vec<f64>> {
+/// A seat's reward at a step is `w_env x (its environment reward there)`, plus at its own turns
+/// `w_env x (the invalid-reply penalty)` and `-w_invalid` for an invalid reply; the episode's last
+/// step also gets the difference the `score` function and the processors make to the seat's
+/// total, so a seat's rewards sum to its processed episode reward while step-level credit
+/// survives. Every seat sees every step, so in a cooperative game a seat is credited with what
+/// its partners score after its move (with identity processors and `env_return` alone, a seat's
+/// rewards are exactly its environment rewards plus penalties).
+pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline) -> Result<Vec<Vec<f64>>> {
     use super::rewards::RewardFunction;
     let weight = |f: RewardFunction| pipeline.functions().iter().filter(|w| w.name == f).map(|w| w.weight).sum::<f64>();
     let (w_env, w_invalid) = (weight(RewardFunction::EnvReturn), weight(RewardFunction::InvalidActions));
-    let mut rewards: Vec<f64> = episode
-        .turns
-        .iter()
-        .map(|t| w_env * t.reward - if t.invalid { w_invalid } else { 0.0 })
-        .collect();
-    let seats: std::collections::BTreeSet<usize> = episode.turns.iter().map(|t| t.seat).collect();
-    for seat in seats {
-        let turns: Vec<usize> = (0..episode.turns.len()).filter(|&i| episode.turns[i].seat == seat).collect();
-        let env_return: f64 = turns.iter().map(|&i| episode.turns[i].reward).sum();
-        let invalid_actions = turns.iter().filter(|&&i| episode.turns[i].invalid).count();
-        let outcome = SeatOutcome { env_return, invalid_actions, metrics: &episode.metrics };
-        let processed = pipeline.reward(&outcome)?;
-        let so_far: f64 = turns.iter().map(|&i| rewards[i]).sum();
-        let last = *turns.last().expect("a seat in the list has a turn");
-        rewards[last] += processed - so_far;
+    let seats = episode.env_returns.len();
+    let steps = episode.step_rewards.len();
+    let mut rewards: Vec<Vec<f64>> = (0..seats).map(|seat| episode.step_rewards.iter().map(|r| w_env * r.get(seat).copied().unwrap_or(0.0)).collect()).collect();
+    let mut env_return: Vec<f64> = (0..seats).map(|seat| episode.step_rewards.iter().map(|r| r.get(seat).copied().unwrap_or(0.0)).sum()).collect();
+    let mut invalid = vec![0usize; seats];
+    for turn in &episode.turns {
+        if turn.seat < seats && turn.step < steps {
+            rewards[turn.seat][turn.step] += w_env * turn.penalty - if turn.invalid { w_invalid } else { 0.0 };
+            env_return[turn.seat] += turn.penalty;
+            invalid[turn.seat] += usize::from(turn.invalid);
+        }
+    }
+    if steps > 0 {
+        for seat in 0..seats {
+            let outcome = SeatOutcome { env_return: env_return[seat], invalid_actions: invalid[seat], metrics: &episode.metrics };
+            let processed = pipeline.reward(&outcome)?;
+            let so_far: f64 = rewards[seat].iter().sum();
+            rewards[seat][steps - 1] += processed - so_far;
+        }
     }
     Ok(rewards)
+}
+
+/// Each turn's discounted return-to-go, in turn order: the acting seat's shaped rewards
+/// (`shaped[seat][step]`, from [`shaped_step_rewards`]) from the turn's step on, discounted by
+/// `gamma` per environment step.
+pub fn turn_returns(episode: &EpisodeRecord, shaped: &[Vec<f64>], gamma: f64) -> Vec<f64> {
+    let to_go: Vec<Vec<f64>> = shaped.iter().map(|r| super::advantage::discounted_returns(r, gamma)).collect();
+    episode.turns.iter().map(|t| to_go.get(t.seat).and_then(|r| r.get(t.step)).copied().unwrap_or(0.0)).collect()
 }
 
 #[cfg(test)]
@@ -501,6 +599,7 @@ mod tests {
                 sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
                 chat_template: false,
                 max_episode_steps: 2,
+                choice_score: crate::generate::choice::ChoiceScore::Sum,
             },
             adamw: AdamWConfig { lr: 1e-2, ..AdamWConfig::default() },
             warmup_iterations: 2,
@@ -540,6 +639,68 @@ mod tests {
             (stats.loss, t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host())
         };
         assert_eq!(run(), run());
+    }
+
+    /// Host values of every gradient tensor of one adapter, in site order.
+    fn flat(grads: &AdapterGrads) -> Vec<f32> {
+        grads.values().flat_map(|(a, b)| [a, b]).flat_map(|t| t.clone().into_data().try_into_vec::<f32>().unwrap()).collect()
+    }
+
+    #[test]
+    fn the_choice_policy_gradient_includes_the_normaliser() {
+        // One decision between two actions. The loss is -A log pi(a0) with pi = softmax(s / T),
+        // s = the candidates' scores (mean log-prob per token), so its gradient is
+        // -A / T (grad s(a0) - pi(a0) grad s(a0) - pi(a1) grad s(a1)): both candidates' tokens
+        // get gradient. Hand-compose that from each candidate's own score gradient.
+        let mut t = trainer(vec![0, 1], 2);
+        t.settings.rollout.sampling.temperature = 0.7;
+        t.settings.rollout.choice_score = crate::generate::choice::ChoiceScore::Mean;
+        // A non-zero B so that every factor has a gradient.
+        let mut adapter = t.manager.adapter(0).unwrap().clone();
+        for pair in adapter.pairs.values_mut() {
+            pair.b = pair.b.clone().add_scalar(0.01);
+        }
+        t.manager.set_adapter(0, adapter).unwrap();
+        let enc = |text: &str| t.model.tokenizer.encode(text).unwrap();
+        let prompt = enc("Hanabi 2p. You are P0. Your turn.");
+        let candidates = vec![enc("play 1 [?1]"), enc("hint red [R1 R3]")];
+        let advantage = 1.5;
+        let sample = Sample {
+            agent: 0,
+            tokens: prompt.clone(),
+            prompt_len: prompt.len(),
+            advantage,
+            choice: Some(ChoiceTurn { candidates: candidates.clone(), chosen: 0 }),
+        };
+        let pass = t.backward_samples(&[sample], 0, 0.0).unwrap();
+        let got = flat(&pass.grads["agent_0"]);
+
+        let score_grad = |k: usize| -> (f32, Vec<f32>) {
+            let (delta, used) = t.manager.mixed_for_training(&[Some(0)], 0).unwrap();
+            let decisions: Vec<(&[u32], &[Vec<u32>])> = vec![(prompt.as_slice(), candidates.as_slice())];
+            let packed = PackedChoices::new(&t.model.lm, &decisions).unwrap();
+            let scores = candidate_logliks(&t.model.lm, &packed, crate::generate::choice::ChoiceScore::Mean, Some(&delta)).unwrap();
+            let s_k = scores.narrow(1, k, 1).sum();
+            let value: f32 = s_k.clone().into_scalar();
+            let grads = s_k.backward();
+            (value, flat(&adapter_grads(&used["agent_0"], &grads).unwrap()))
+        };
+        let (s0, g0) = score_grad(0);
+        let (s1, g1) = score_grad(1);
+        let temperature = 0.7f32;
+        let (e0, e1) = ((s0 / temperature).exp(), (s1 / temperature).exp());
+        let (p0, p1) = (e0 / (e0 + e1), e1 / (e0 + e1));
+        let expected: Vec<f32> =
+            g0.iter().zip(&g1).map(|(a, b)| -(advantage as f32) / temperature * (a - p0 * a - p1 * b)).collect();
+        assert_eq!(got.len(), expected.len());
+        let scale = expected.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 1e-6, "a gradient to compare");
+        for (g, e) in got.iter().zip(&expected) {
+            assert!((g - e).abs() <= 1e-4 * scale + 1e-7, "{g} vs {e}");
+        }
+        // Without the normaliser the gradient would be -A / T grad s(a0): not what we got.
+        let naive_gap = g0.iter().zip(&got).map(|(a, g)| (-(advantage as f32) / temperature * a - g).abs()).fold(0f32, f32::max);
+        assert!(naive_gap > 1e-3 * scale, "the normaliser's gradient is there");
     }
 
     #[test]

@@ -8,6 +8,7 @@
 //!   [`parse`]: reading an LLM's reply as a move; [`HanabiEnv`]: the [`Environment`].
 
 pub mod cards;
+pub mod compact;
 pub mod moves;
 pub mod observation;
 pub mod params;
@@ -21,7 +22,7 @@ use serde_json::Value;
 
 pub use cards::{Card, CardKnowledge, HandCard};
 pub use moves::Move;
-pub use params::{HanabiConfig, HanabiParams, Variant};
+pub use params::{HanabiConfig, HanabiParams, ObservationStyle, Variant};
 pub use state::{Counters, Event, HanabiState};
 
 use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
@@ -38,13 +39,15 @@ pub struct HanabiEnv {
     /// Subtracted from every seat's step reward per life token lost (reward shaping; 0 keeps
     /// HLE's reward).
     life_loss_penalty: f64,
+    /// The text form of observations and legal actions.
+    style: ObservationStyle,
 }
 
 impl HanabiEnv {
     /// A Hanabi environment with these rules, reset with seed 0.
     pub fn new(config: HanabiConfig) -> Self {
         let state = Self::deal(&config, 0);
-        Self { returns: vec![0.0; config.players], state, config, life_loss_penalty: 0.0 }
+        Self { returns: vec![0.0; config.players], state, config, life_loss_penalty: 0.0, style: ObservationStyle::Verbose }
     }
 
     /// Builds the environment from registry parameters (`{players: 3, variant: small, ...}`).
@@ -60,6 +63,7 @@ impl HanabiEnv {
         }
         let mut env = Self::new(params.resolve()?);
         env.life_loss_penalty = penalty;
+        env.style = params.observation.unwrap_or_default();
         Ok(env)
     }
 
@@ -112,10 +116,25 @@ impl HanabiEnv {
         }
     }
 
+    /// The text form of observations and legal actions.
+    pub fn observation_style(&self) -> ObservationStyle {
+        self.style
+    }
+
+    /// Reads `text` as `seat`'s move; notes in square brackets (the compact actions' `[?1]`)
+    /// are ignored.
     fn parse_move(&self, seat: SeatId, text: &str) -> Result<Move, ActionError> {
         let hand_len = self.state.hands()[seat].len();
         let c = &self.config;
-        parse::parse_move(text, seat, c.players, hand_len, c.colors, c.ranks)
+        parse::parse_move(&crate::text::strip_notes(text), seat, c.players, hand_len, c.colors, c.ranks)
+    }
+
+    /// The text of `mv` for the player to move, in the configured style.
+    fn move_text(&self, mv: Move) -> String {
+        match self.style {
+            ObservationStyle::Verbose => mv.text(self.state.current_player(), self.config.players),
+            ObservationStyle::Compact => compact::action_text(&self.state, mv),
+        }
     }
 
     /// Applies a move of the current player and draws its replacement card; returns the score
@@ -145,7 +164,7 @@ impl HanabiEnv {
         if seat != self.state.current_player() || self.state.is_terminal() {
             return Vec::new();
         }
-        self.state.legal_moves().into_iter().map(|m| m.text(seat, self.config.players)).collect()
+        self.state.legal_moves().into_iter().map(|m| self.move_text(m)).collect()
     }
 }
 
@@ -172,14 +191,22 @@ impl Environment for HanabiEnv {
     }
 
     fn instructions(&self, seat: SeatId) -> String {
-        observation::instructions_text(&self.state, seat)
+        match self.style {
+            ObservationStyle::Verbose => observation::instructions_text(&self.state, seat),
+            ObservationStyle::Compact => compact::instructions(&self.state, seat),
+        }
     }
 
     fn observation(&self, seat: SeatId) -> String {
         if seat >= self.config.players {
             return format!("There is no seat {seat}: this game has {} players.", self.config.players);
         }
-        observation::observation_text(&self.state, seat, &self.legal_texts(seat), self.config.history_moves)
+        match self.style {
+            ObservationStyle::Verbose => {
+                observation::observation_text(&self.state, seat, &self.legal_texts(seat), self.config.history_moves)
+            }
+            ObservationStyle::Compact => compact::observation(&self.state, seat, self.config.history_moves),
+        }
     }
 
     fn legal_actions(&self, seat: SeatId) -> Option<Vec<LegalAction>> {
@@ -188,7 +215,7 @@ impl Environment for HanabiEnv {
         }
         let mut out = Vec::new();
         self.state.for_each_legal_move(|mv| {
-            out.push(LegalAction { id: mv.uid(&self.config), text: mv.text(seat, self.config.players) })
+            out.push(LegalAction { id: mv.uid(&self.config), text: self.move_text(mv) })
         });
         Some(out)
     }

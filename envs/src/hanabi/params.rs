@@ -52,6 +52,21 @@ pub struct HanabiParams {
     /// a life token (default 0, HLE's reward: the score change only). The `score` metric is
     /// unaffected.
     pub life_loss_penalty: Option<f64>,
+    /// The text agents see: `verbose` (default; full sentences and the rules, for
+    /// instruction-tuned LLMs) or `compact` (the same information in far fewer tokens, with
+    /// each legal action annotated; for small models). See [`super::compact`].
+    pub observation: Option<ObservationStyle>,
+}
+
+/// How a Hanabi observation is written.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ObservationStyle {
+    /// Full sentences and the rules ([`super::observation`]).
+    #[default]
+    Verbose,
+    /// The same information in far fewer tokens ([`super::compact`]).
+    Compact,
 }
 
 /// Validated Hanabi rules: every knob resolved to a number.
