@@ -69,8 +69,10 @@ fn mixed_batch_gradients_equal_separate_passes() {
         let own_weights: Vec<f32> = rows.iter().map(|&r| weights[r]).collect();
         let alone = grads_of(&model, &manager, &own_tokens, &vec![Some(agent); rows.len()], &own_weights);
         let diff = max_diff(&mixed[name], &alone[name]);
-        assert!(diff < 1e-5, "{name}: mixed-batch gradient differs from its own pass by {diff}");
         let norm: f32 = mixed[name].values().map(|(a, _)| a.clone().abs().max().into_scalar::<f32>()).fold(0.0, f32::max);
+        // Equal up to float32 summation order: within 4e-6 of the gradient's scale (a row
+        // leaking into another adapter's gradient would differ by a large fraction of it).
+        assert!(diff < 4e-6 * norm.max(1.0), "{name}: mixed-batch gradient differs from its own pass by {diff} (scale {norm})");
         assert!(norm > 1e-4, "{name}: the gradient is not trivially zero");
     }
 }

@@ -17,7 +17,11 @@ fn stderr(out: &Output) -> String {
 }
 
 fn fixture_files() -> Vec<String> {
-    let dir = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/games"));
+    // `$TROUPE_FIXTURES/games` tests another copy (e.g. one fixtures/regenerate/games.py wrote).
+    let dir = match std::env::var_os("TROUPE_FIXTURES").filter(|dir| !dir.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join("games"),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/games")),
+    };
     let mut files: Vec<String> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|e| e.expect("entry").path())

@@ -5,8 +5,13 @@ use std::path::PathBuf;
 
 use troupe_envs::records::{replay_file, ReplayReport};
 
+/// `fixtures/games`, or `$TROUPE_FIXTURES/games` to test another copy (e.g. one just written by
+/// `fixtures/regenerate/games.py`).
 fn fixtures() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/games"))
+    match std::env::var_os("TROUPE_FIXTURES").filter(|dir| !dir.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join("games"),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/games")),
+    }
 }
 
 fn replay(name: &str) -> ReplayReport {

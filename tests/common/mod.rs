@@ -5,9 +5,13 @@
 
 use std::path::PathBuf;
 
-/// `fixtures/models` in this repository (see `fixtures/README.md`).
+/// `fixtures/models` in this repository (see `fixtures/README.md`), or `$TROUPE_FIXTURES/models`
+/// to test against another copy (e.g. one just written by `fixtures/regenerate/models.py`).
 pub fn models_dir() -> PathBuf {
-    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/models"))
+    match std::env::var_os("TROUPE_FIXTURES").filter(|dir| !dir.is_empty()) {
+        Some(dir) => PathBuf::from(dir).join("models"),
+        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/models")),
+    }
 }
 
 /// Every fixture model directory, sorted.
