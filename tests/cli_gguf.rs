@@ -41,7 +41,7 @@ fn inspect_describes_file_and_directory() {
     assert_eq!(counted, out["tensors"].as_u64().unwrap());
     let memory = &out["memory_bytes"];
     assert_eq!(memory["f32"].as_u64().unwrap(), 4 * want["config"]["parameters"].as_u64().unwrap());
-    assert!(memory["quantized"].as_u64().unwrap() < memory["f32"].as_u64().unwrap() / 2, "{memory}");
+    assert!(memory["stored"].as_u64().unwrap() < memory["f32"].as_u64().unwrap() / 2, "{memory}");
 
     let dir = common::models_dir().join("tiny-qwen3");
     let out = json_stdout(&troupe(&["model", "inspect", dir.to_str().unwrap()]));

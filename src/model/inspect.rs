@@ -44,9 +44,10 @@ fn describe_gguf(path: &Path) -> Result<Value> {
         types.add(entry.ggml_type.name(), entry.len());
         stored += entry.byte_len() as u64;
     }
-    // Kept quantized, the matrices (projections, embedding, LM head) stay in their stored
-    // bytes; the 1-D tensors (norms, biases) are held as f32.
-    let quantized: u64 = file
+    // What the weights take with the matrices (projections, embedding, LM head) in their stored
+    // block formats and the 1-D tensors (norms, biases) in f32 (a kept-quantized base, not yet
+    // implemented); `f32` is what troupe holds today.
+    let stored_in_memory: u64 = file
         .tensors()
         .iter()
         .map(|e| if e.shape.len() >= 2 { e.byte_len() as u64 } else { 4 * e.len() as u64 })
@@ -68,7 +69,7 @@ fn describe_gguf(path: &Path) -> Result<Value> {
         "tensors": file.tensors().len(),
         "tensor_types": types.to_json(),
         "file_tensor_bytes": stored,
-        "memory_bytes": {"f32": f32_bytes(&config), "quantized": quantized},
+        "memory_bytes": {"f32": f32_bytes(&config), "stored": stored_in_memory},
     }))
 }
 
