@@ -35,7 +35,7 @@ fn smollm2_q4_1_matches_transformers_gguf_loader() {
         let text = case["text"].as_str().unwrap();
         let input = model.tokenizer.encode(text).unwrap();
         assert_eq!(input, ids(&case["input_ids"]), "tokens of {text:?}");
-        let logprobs = score_rows(&model.lm, &[input.clone()], None).unwrap().remove(0);
+        let logprobs = score_rows(&model.lm, std::slice::from_ref(&input), None).unwrap().remove(0);
         let diff = max_abs_diff(&logprobs, &floats(&case["logprobs"]));
         eprintln!("SmolLM2: {text:?} max log-prob diff {diff:.2e}");
         assert!(diff < 2e-3, "log-probs of {text:?} differ by {diff}");

@@ -18,8 +18,12 @@ use crate::model::weights::WeightSource;
 const COPIED_FILES: [&str; 5] =
     ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"];
 
-/// The side files of a merged GGUF base: its configuration and tokenizer as Hugging Face files.
-fn gguf_side_files(path: &Path) -> Result<(BTreeMap<String, HostTensor>, Vec<(&'static str, String)>)> {
+/// A base's tensors by name, and the files written beside them (name, text).
+type BaseParts = (BTreeMap<String, HostTensor>, Vec<(&'static str, String)>);
+
+/// The tensors of a GGUF base (dequantized), and its configuration and tokenizer as Hugging
+/// Face files.
+fn gguf_side_files(path: &Path) -> Result<BaseParts> {
     let (config, tokenizer, weights) = crate::model::gguf::open(path)?;
     let mut tensors = BTreeMap::new();
     for (name, shape) in config.tensor_shapes() {

@@ -127,7 +127,7 @@ impl GgmlType {
 
     /// Bytes that `values` values take, or `None` when `values` is not a whole number of blocks.
     pub fn bytes_for(self, values: usize) -> Option<usize> {
-        (values % self.block_size() == 0).then(|| values / self.block_size() * self.block_bytes())
+        values.is_multiple_of(self.block_size()).then(|| values / self.block_size() * self.block_bytes())
     }
 }
 
