@@ -69,6 +69,25 @@ pub enum TroupeError {
         /// The shape on disk.
         got: Vec<usize>,
     },
+    /// A GGUF file is truncated or corrupt, or its metadata is missing a key, has a key of the
+    /// wrong type, or describes something troupe cannot load.
+    #[error("{}: {message}", .path.display())]
+    Gguf {
+        /// The GGUF file.
+        path: PathBuf,
+        /// What is wrong (names the metadata key or tensor).
+        message: String,
+    },
+    /// A GGUF tensor is stored in a block format troupe does not read.
+    #[error("{}: tensor `{tensor}` has type {type_name}, which troupe does not read (it reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)", .path.display())]
+    GgufTensorType {
+        /// The GGUF file.
+        path: PathBuf,
+        /// The tensor's name in the file (`blk.0.attn_q.weight`).
+        tensor: String,
+        /// The ggml type's name (`IQ2_XXS`).
+        type_name: String,
+    },
     /// The tokenizer file could not be loaded or used.
     #[error("tokenizer {path}: {message}")]
     Tokenizer {

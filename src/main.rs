@@ -24,6 +24,9 @@ enum Command {
     Logprobs(cli::model::LogprobsArgs),
     /// Continue a prompt; prints JSON with the tokens and text.
     Generate(cli::model::GenerateArgs),
+    /// Models: inspect a directory or GGUF file.
+    #[command(subcommand)]
+    Model(cli::model::ModelCommand),
     /// LoRA adapters: inspect a directory, merge one into its base.
     #[command(subcommand)]
     Adapters(cli::adapters::AdaptersCommand),
@@ -69,6 +72,7 @@ fn main() -> std::process::ExitCode {
         Command::InitModel(args) => cli::model::init_model(args),
         Command::Logprobs(args) => device().map_err(Into::into).and_then(|d| cli::model::logprobs(args, &d)),
         Command::Generate(args) => device().map_err(Into::into).and_then(|d| cli::model::generate_text(args, &d)),
+        Command::Model(command) => cli::model::run_model(command),
         Command::Adapters(command) => device().map_err(Into::into).and_then(|d| cli::adapters::run(command, &d)),
         Command::Env(command) => cli::env::run(command),
         Command::Code(command) => cli::code::run(command),

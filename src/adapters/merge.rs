@@ -1,5 +1,7 @@
 //! Merging an adapter into its base: `W' = W + scale * B A` for every targeted projection,
 //! written as a plain Hugging Face model directory (for deployment where LoRA is not wanted).
+//! The base is a Hugging Face directory or a GGUF file (dequantized; its config, tokenizer and
+//! chat template are written as `config.json`, `tokenizer.json` and `tokenizer_config.json`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
@@ -10,19 +12,61 @@ use super::lora::LoraAdapter;
 use crate::error::{Result, TroupeError};
 use crate::fsutil::write_dir_atomic;
 use crate::model::safetensors_io::{write_safetensors, HostTensor, TensorStore};
+use crate::model::weights::WeightSource;
 
 /// Files of a model directory copied unchanged into the merged one, when present.
 const COPIED_FILES: [&str; 5] =
     ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"];
 
-/// Writes `model_dir`'s model with `adapter` merged in to `out` (f32 weights). `out` appears
-/// whole or not at all.
-pub fn merge_into_model_dir(model_dir: &Path, adapter: &LoraAdapter, out: &Path, device: &Device) -> Result<()> {
-    let store = TensorStore::open_model_dir(model_dir)?;
-    let mut tensors: BTreeMap<String, HostTensor> = BTreeMap::new();
-    for name in store.names() {
-        tensors.insert(name.clone(), store.read(&name, None)?);
+/// A base's tensors by name, and the files written beside them (name, text).
+type BaseParts = (BTreeMap<String, HostTensor>, Vec<(&'static str, String)>);
+
+/// The tensors of a GGUF base (dequantized), and its configuration and tokenizer as Hugging
+/// Face files.
+fn gguf_side_files(path: &Path) -> Result<BaseParts> {
+    let (config, tokenizer, weights) = crate::model::gguf::open(path)?;
+    let mut tensors = BTreeMap::new();
+    for (name, shape) in config.tensor_shapes() {
+        let tensor = weights.read(&name, &shape)?;
+        tensors.insert(name, tensor);
     }
+    let eos = config.eos_token_ids.first().copied().unwrap_or(0);
+    let json = |value: serde_json::Value| serde_json::to_string_pretty(&value).expect("JSON serializes");
+    let tokenizer_json = tokenizer
+        .inner()
+        .to_string(true)
+        .map_err(|e| TroupeError::Tokenizer { path: path.to_path_buf(), message: e.to_string() })?;
+    let mut tokenizer_config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": tokenizer.eos_token(),
+        "bos_token": if tokenizer.bos_token().is_empty() { serde_json::Value::Null } else { tokenizer.bos_token().into() },
+    });
+    if let Some(template) = &tokenizer.chat_template {
+        tokenizer_config["chat_template"] = template.clone().into();
+    }
+    let files = vec![
+        ("config.json", json(config.to_hf_json(eos))),
+        ("generation_config.json", json(serde_json::json!({"eos_token_id": config.eos_token_ids}))),
+        ("tokenizer.json", tokenizer_json),
+        ("tokenizer_config.json", json(tokenizer_config)),
+    ];
+    Ok((tensors, files))
+}
+
+/// Writes the model at `model_path` (a Hugging Face directory or a GGUF file) with `adapter`
+/// merged in to `out` as a Hugging Face directory (f32 weights). `out` appears whole or not at all.
+pub fn merge_into_model_dir(model_path: &Path, adapter: &LoraAdapter, out: &Path, device: &Device) -> Result<()> {
+    let model_dir = model_path;
+    let (mut tensors, side_files) = if crate::model::gguf::is_gguf_path(model_path) {
+        gguf_side_files(model_path)?
+    } else {
+        let store = TensorStore::open_model_dir(model_dir)?;
+        let mut tensors: BTreeMap<String, HostTensor> = BTreeMap::new();
+        for name in store.names() {
+            tensors.insert(name.clone(), store.read(&name, None)?);
+        }
+        (tensors, Vec::new())
+    };
     let scale = adapter.config.scale();
     for ((layer, projection), pair) in &adapter.pairs {
         let name = format!("model.layers.{layer}.{}.weight", projection.path());
@@ -42,9 +86,13 @@ pub fn merge_into_model_dir(model_dir: &Path, adapter: &LoraAdapter, out: &Path,
         }
     }
     write_dir_atomic(out, |staging| {
+        for (file, text) in &side_files {
+            let path = staging.join(file);
+            std::fs::write(&path, text).map_err(|e| TroupeError::io(&path, e))?;
+        }
         for file in COPIED_FILES {
             let src = model_dir.join(file);
-            if src.exists() {
+            if side_files.is_empty() && src.exists() {
                 std::fs::copy(&src, staging.join(file)).map_err(|e| TroupeError::io(&src, e))?;
             }
         }

@@ -28,7 +28,7 @@ pub enum AdaptersCommand {
 /// `troupe adapters merge`.
 #[derive(Debug, Args)]
 pub struct MergeArgs {
-    /// The base model directory.
+    /// The base model: a Hugging Face directory or a GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     /// The adapter: DIR:NAME (one adapter of a directory of adapters) or an adapter's DIR.
@@ -135,7 +135,7 @@ pub fn run(command: AdaptersCommand, device: &burn::tensor::Device) -> Result<()
             Ok(())
         }
         AdaptersCommand::Merge(args) => {
-            let model = Model::from_dir(&args.model, device).with_context(|| format!("loading model {}", args.model.display()))?;
+            let model = Model::from_path(&args.model, device).with_context(|| format!("loading model {}", args.model.display()))?;
             let dir = resolve_adapter_dir(&args.adapter)?;
             let adapter = read_adapter_dir(&dir, &model.lm.config, device).with_context(|| format!("loading adapter {}", dir.display()))?;
             merge_into_model_dir(&args.model, &adapter, &args.out, device)

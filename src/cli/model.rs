@@ -1,10 +1,11 @@
-//! `troupe init-model`, `troupe logprobs`, `troupe generate`: the base-model commands.
+//! `troupe init-model`, `troupe logprobs`, `troupe generate`, `troupe model inspect`: the
+//! base-model commands.
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, Subcommand};
 use serde_json::json;
 
 use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
@@ -28,7 +29,7 @@ pub struct InitModelArgs {
 /// `troupe logprobs`: log p(token i+1 | tokens ..= i) for a text.
 #[derive(Debug, Args)]
 pub struct LogprobsArgs {
-    /// Hugging Face model directory (default: the built-in tiny model).
+    /// A Hugging Face model directory or a GGUF file (default: the built-in tiny model).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// A LoRA adapter: DIR:NAME (one adapter of a directory of adapters) or an adapter's DIR.
@@ -42,7 +43,7 @@ pub struct LogprobsArgs {
 /// `troupe generate`: continue a prompt.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// Hugging Face model directory (default: the built-in tiny model).
+    /// A Hugging Face model directory or a GGUF file (default: the built-in tiny model).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// A LoRA adapter: DIR:NAME (one adapter of a directory of adapters) or an adapter's DIR.
@@ -71,6 +72,28 @@ pub struct GenerateArgs {
     pub seed: u64,
 }
 
+/// `troupe model` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum ModelCommand {
+    /// Print JSON describing a model (architecture, parameters, tensor types, memory per mode)
+    /// without loading its weights.
+    Inspect {
+        /// A Hugging Face model directory or a GGUF file.
+        path: PathBuf,
+    },
+}
+
+/// Runs one `troupe model` subcommand.
+pub fn run_model(command: ModelCommand) -> Result<()> {
+    match command {
+        ModelCommand::Inspect { path } => {
+            let description = crate::model::inspect::describe(&path).with_context(|| format!("inspecting {}", path.display()))?;
+            println!("{description}");
+            Ok(())
+        }
+    }
+}
+
 /// Runs `troupe init-model`.
 pub fn init_model(args: InitModelArgs) -> Result<()> {
     builtin::write_model_dir(&args.out, args.preset, args.seed)
@@ -85,7 +108,7 @@ pub fn init_model(args: InitModelArgs) -> Result<()> {
 
 fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device) -> Result<Model> {
     Model::from_dir_or_default(model, device).with_context(|| match model {
-        Some(dir) => format!("loading model {}", dir.display()),
+        Some(path) => format!("loading model {}", path.display()),
         None => "building the built-in model".to_string(),
     })
 }

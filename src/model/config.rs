@@ -234,6 +234,40 @@ impl ModelConfig {
         Ok(theta)
     }
 
+    /// Every tensor of a Hugging Face checkpoint of this configuration, with its shape
+    /// (`model.embed_tokens.weight` first, `lm_head.weight` last when untied).
+    pub fn tensor_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let mut shapes = vec![("model.embed_tokens.weight".to_string(), vec![v, h])];
+        for layer in 0..self.num_hidden_layers {
+            let prefix = format!("model.layers.{layer}");
+            shapes.push((format!("{prefix}.input_layernorm.weight"), vec![h]));
+            shapes.push((format!("{prefix}.post_attention_layernorm.weight"), vec![h]));
+            if self.model_type == ModelType::Qwen3 {
+                shapes.push((format!("{prefix}.self_attn.q_norm.weight"), vec![self.head_dim]));
+                shapes.push((format!("{prefix}.self_attn.k_norm.weight"), vec![self.head_dim]));
+            }
+            for projection in super::Projection::ALL {
+                let (input, output) = projection.dims(self);
+                let path = format!("{prefix}.{}", projection.path());
+                shapes.push((format!("{path}.weight"), vec![output, input]));
+                let bias = match projection {
+                    super::Projection::Q | super::Projection::K | super::Projection::V => self.qkv_bias,
+                    super::Projection::O => self.o_bias,
+                    _ => self.mlp_bias,
+                };
+                if bias {
+                    shapes.push((format!("{path}.bias"), vec![output]));
+                }
+            }
+        }
+        shapes.push(("model.norm.weight".to_string(), vec![h]));
+        if !self.tie_word_embeddings {
+            shapes.push(("lm_head.weight".to_string(), vec![v, h]));
+        }
+        shapes
+    }
+
     /// Total parameter count (embedding counted once when tied).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;

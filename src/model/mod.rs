@@ -1,8 +1,11 @@
-//! The frozen base model: `config.json` parsing, safetensors loading, the Llama/Qwen2/Qwen3
-//! transformer, the tokenizer with its chat template, and the built-in default model.
+//! The frozen base model: `config.json` parsing, safetensors and GGUF loading, the
+//! Llama/Qwen2/Qwen3 transformer, the tokenizer with its chat template, and the built-in default
+//! model.
 
 pub mod builtin;
 pub mod config;
+pub mod gguf;
+pub mod inspect;
 pub mod layers;
 pub mod safetensors_io;
 pub mod tokenizer;
@@ -29,13 +32,38 @@ pub struct Model {
     pub lm: CausalLm,
     /// The tokenizer, EOS ids and chat template.
     pub tokenizer: TextTokenizer,
-    /// The directory it was loaded from (`None` for the built-in model).
+    /// The directory or GGUF file it was loaded from (`None` for the built-in model).
     pub dir: Option<PathBuf>,
 }
 
 impl Model {
+    /// Loads a Hugging Face model directory, or a GGUF file, onto `device`.
+    pub fn from_path(path: &Path, device: &Device) -> Result<Self> {
+        if gguf::is_gguf_path(path) {
+            Self::from_gguf(path, device)
+        } else {
+            Self::from_dir(path, device)
+        }
+    }
+
+    /// Loads a GGUF file onto `device`, its weights dequantized to f32.
+    pub fn from_gguf(path: &Path, device: &Device) -> Result<Self> {
+        let (config, tokenizer, weights) = gguf::open(path)?;
+        let lm = CausalLm::load(config, &weights, device)?;
+        Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) })
+    }
+
     /// Loads a Hugging Face model directory onto `device`.
     pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
+        if dir.is_file() {
+            return Err(TroupeError::io(
+                dir,
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "is a file but not a GGUF file (a model is a Hugging Face directory or a .gguf file)",
+                ),
+            ));
+        }
         if !dir.is_dir() {
             return Err(TroupeError::io(
                 dir,
@@ -57,10 +85,10 @@ impl Model {
         Ok(Self { lm, tokenizer: builtin::builtin_tokenizer()?, dir: None })
     }
 
-    /// `from_dir` when a directory is given, else the tiny built-in model with seed 0.
+    /// `from_path` when a path is given, else the tiny built-in model with seed 0.
     pub fn from_dir_or_default(dir: Option<&Path>, device: &Device) -> Result<Self> {
         match dir {
-            Some(dir) => Self::from_dir(dir, device),
+            Some(dir) => Self::from_path(dir, device),
             None => Self::builtin(Preset::Tiny, 0, device),
         }
     }

@@ -122,6 +122,12 @@ impl TensorStore {
         file.metadata.info(name).map(|info| info.shape.clone())
     }
 
+    /// The stored dtype's name (`F32`, `BF16`, ...) and the number of values of a tensor, if present.
+    pub fn dtype_and_len(&self, name: &str) -> Option<(String, usize)> {
+        let file = &self.files[*self.index.get(name)?];
+        file.metadata.info(name).map(|info| (format!("{:?}", info.dtype), info.shape.iter().product()))
+    }
+
     /// Reads a tensor as f32, checking its shape when `expected` is given.
     pub fn read(&self, name: &str, expected: Option<&[usize]>) -> Result<HostTensor> {
         let missing = || TroupeError::MissingTensor { path: self.origin.clone(), tensor: name.to_string() };

@@ -114,6 +114,29 @@ impl TextTokenizer {
         Self { inner, origin, eos_token_ids, chat_template: None, bos_token: String::new(), eos_token }
     }
 
+    /// Sets the chat template and the `bos_token` / `eos_token` strings it renders (a `None`
+    /// string keeps the current one).
+    pub fn with_chat_template(mut self, template: Option<String>, bos_token: Option<String>, eos_token: Option<String>) -> Self {
+        self.chat_template = template;
+        if let Some(bos) = bos_token {
+            self.bos_token = bos;
+        }
+        if let Some(eos) = eos_token {
+            self.eos_token = eos;
+        }
+        self
+    }
+
+    /// The `bos_token` string the chat template sees (empty when the model names none).
+    pub fn bos_token(&self) -> &str {
+        &self.bos_token
+    }
+
+    /// The `eos_token` string the chat template sees.
+    pub fn eos_token(&self) -> &str {
+        &self.eos_token
+    }
+
     /// The wrapped `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner

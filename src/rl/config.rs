@@ -84,11 +84,11 @@ impl Default for RunSection {
     }
 }
 
-/// `model:` — a Hugging Face model directory, or the built-in model.
+/// `model:` — a Hugging Face model directory or a GGUF file, or the built-in model.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ModelSection {
-    /// A Hugging Face model directory; `null` means the built-in model of `preset`.
+    /// A Hugging Face model directory or a GGUF file; `null` means the built-in model of `preset`.
     pub path: Option<PathBuf>,
     /// The built-in model's size when `path` is null: `tiny` or `small`.
     pub preset: String,

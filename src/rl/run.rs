@@ -35,7 +35,7 @@ pub struct TrainingRun {
 /// The model a config names: a Hugging Face directory, or the built-in preset.
 pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result<Model> {
     match &config.model.path {
-        Some(path) => Model::from_dir(path, device),
+        Some(path) => Model::from_path(path, device),
         None => {
             let preset = config.model.preset().map_err(|message| TroupeError::Config {
                 path: PathBuf::from(CONFIG_FILE),

