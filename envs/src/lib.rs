@@ -17,6 +17,7 @@ pub mod records;
 pub mod registry;
 pub mod runner;
 pub mod sandbox;
+pub mod split;
 pub mod text;
 pub mod writing;
 

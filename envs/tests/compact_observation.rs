@@ -131,12 +131,11 @@ fn check(env: &HanabiEnv, seat: usize) {
     for offset in 1..players {
         let other = (seat + offset) % players;
         let cards: Vec<&str> = line(&text, &format!("P{other}: ")).unwrap().split(' ').collect();
-        let knows: Vec<(usize, CardKnowledge)> =
-            line(&text, &format!("P{other} knows: ")).unwrap().split(' ').map(|k| decode_knowledge(k, colors, ranks)).collect();
         assert_eq!(cards.len(), state.hands()[other].len());
         for (i, held) in state.hands()[other].iter().enumerate() {
-            assert_eq!(cards[i], format!("{}{}", i + 1, held.card));
-            assert_eq!(knows[i].1, held.knowledge);
+            let (card, knows) = cards[i].split_once(':').unwrap_or((cards[i], "??"));
+            assert_eq!(card, format!("{}{}", i + 1, held.card));
+            assert_eq!(decode_knowledge(&format!("{}{knows}", i + 1), colors, ranks).1, held.knowledge, "{}", cards[i]);
         }
     }
     // The latest moves: as many as configured (or made), each naming its card or touched slots.

@@ -363,11 +363,14 @@ pub struct EvalSection {
     pub every_episodes: usize,
     /// Episodes played together in one batch of rollouts.
     pub batch_episodes: usize,
+    /// Environment parameters that differ in evaluation, merged over `env:` (e.g. `{split:
+    /// test}`: the held-out prompts of a text task).
+    pub env: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Default for EvalSection {
     fn default() -> Self {
-        Self { episodes: 20, seed: 1_000_000, baseline_seats: BTreeMap::new(), max_episode_steps: None, every: 0, every_episodes: 32, batch_episodes: 64 }
+        Self { episodes: 20, seed: 1_000_000, baseline_seats: BTreeMap::new(), max_episode_steps: None, every: 0, every_episodes: 32, batch_episodes: 64, env: Default::default() }
     }
 }
 
@@ -375,7 +378,7 @@ impl Default for EvalSection {
 pub const CONFIG_FILE: &str = "config.yaml";
 
 /// Sections whose keys are free-form (not checked against the schema when overriding).
-const FREE_FORM: [&[&str]; 2] = [&["env"], &["eval", "baseline_seats"]];
+const FREE_FORM: [&[&str]; 3] = [&["env"], &["eval", "baseline_seats"], &["eval", "env"]];
 
 impl TrainConfig {
     /// Reads `path`, applies the `--set key.path=value` overrides, parses strictly and validates
@@ -608,6 +611,17 @@ impl TrainConfig {
         }
     }
 
+    /// The environment spec of evaluation: `env:` with `eval.env`'s parameters over it.
+    pub fn eval_env_spec(&self) -> serde_json::Value {
+        let mut spec = self.env.spec();
+        if let serde_json::Value::Object(object) = &mut spec {
+            for (key, value) in &self.eval.env {
+                object.insert(key.clone(), value.clone());
+            }
+        }
+        spec
+    }
+
     /// The rollout settings of evaluation: `action:`, whole episodes (or
     /// `eval.max_episode_steps`), and an invalid reply never ends an episode with its points
     /// kept: `end_episode` becomes `random` (a uniformly random legal action replaces it, and
@@ -676,6 +690,12 @@ impl TrainConfig {
             EnvError::UnknownEnv { .. } => fail("env.name".into(), err.to_string()),
             other => fail("env".into(), other.to_string()),
         })?;
+        if !self.eval.env.is_empty() {
+            registry.make_from_spec(&self.eval_env_spec()).map_err(|err| match err {
+                EnvError::BadParam { field, message, .. } => fail(format!("eval.env.{field}"), message),
+                other => fail("eval.env".into(), other.to_string()),
+            })?;
+        }
         if env.num_seats() != self.agents.seats.len() {
             return Err(fail(
                 "agents.seats".into(),

@@ -91,7 +91,7 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
         baselines.insert(seat, policy_by_name(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?);
     }
     let rollout = config.eval_rollout_config();
-    let spec = config.env.spec();
+    let spec = config.eval_env_spec();
     let mut rng = ChaCha8Rng::seed_from_u64(config.eval.seed);
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
@@ -145,6 +145,36 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rl::run::{fresh_adapters, load_model};
+
+    #[test]
+    fn the_summary_is_deterministic_for_a_seed_and_plays_whole_games() {
+        let registry = Registry::with_builtins();
+        let yaml = "env: {name: hanabi, players: 2, observation: compact}\n\
+                    action: {mode: choice, choice_score: mean, chat_template: false}\n\
+                    training: {max_episode_steps: 2}\n\
+                    eval: {seed: 77, batch_episodes: 2}";
+        let config = TrainConfig::from_yaml_str(yaml, std::path::Path::new("test.yaml"), &[], &registry).unwrap();
+        let device = burn::tensor::Device::flex();
+        let model = load_model(&config, &device).unwrap();
+        let manager = fresh_adapters(&config, &model, &device).unwrap();
+        let run = || {
+            let mut summary = evaluate(&model, &manager, &config, 3, &registry).unwrap();
+            summary.seconds = 0.0;
+            serde_json::to_string(&summary).unwrap()
+        };
+        let first = run();
+        assert_eq!(first, run(), "same seed, same summary");
+        let summary: serde_json::Value = serde_json::from_str(&first).unwrap();
+        assert_eq!(summary["first_seed"], 77);
+        // The training cap of 2 moves does not apply: every game runs to its end (three lost
+        // lives at the least, so at least 3 moves).
+        assert!(summary["mean_steps"].as_f64().unwrap() >= 3.0, "{summary}");
+        let other = TrainConfig { eval: crate::rl::config::EvalSection { seed: 78, ..config.eval.clone() }, ..config.clone() };
+        let mut moved = evaluate(&model, &manager, &other, 3, &registry).unwrap();
+        moved.seconds = 0.0;
+        assert_ne!(serde_json::to_string(&moved).unwrap(), first, "other deals, another summary");
+    }
 
     #[test]
     fn standard_error_uses_the_sample_std() {

@@ -77,6 +77,12 @@ impl From<&IterationStats> for IterationMetrics {
         for (phase, seconds) in &stats.phase_seconds {
             extra.insert(format!("seconds_{phase}"), *seconds);
         }
+        for (phase, flops) in &stats.phase_flops {
+            extra.insert(format!("gflop_{phase}"), flops / 1e9);
+            if let Some(seconds) = stats.phase_seconds.get(phase).filter(|s| **s > 0.0) {
+                extra.insert(format!("gflop_per_second_{phase}"), flops / 1e9 / seconds);
+            }
+        }
         Self {
             iteration: stats.iteration,
             mean_return: stats.mean_return.clone(),
@@ -283,6 +289,7 @@ mod tests {
             kl: Some(0.125),
             mean_episode_steps: 6.0,
             phase_seconds: [("rollout".to_string(), 1.0), ("update".to_string(), 0.5)].into_iter().collect(),
+            phase_flops: [("rollout".to_string(), 4e9)].into_iter().collect(),
         };
         let line = IterationMetrics::from(&stats);
         assert_eq!(line.iteration, 4);
@@ -293,6 +300,7 @@ mod tests {
         assert_eq!(line.extra["episode_steps"], 6.0);
         assert_eq!(line.extra["kl"], 0.125);
         assert_eq!((line.extra["seconds_rollout"], line.extra["seconds_update"]), (1.0, 0.5));
+        assert_eq!((line.extra["gflop_rollout"], line.extra["gflop_per_second_rollout"]), (4.0, 4.0));
         let without_kl = IterationMetrics::from(&IterationStats { kl: None, ..stats });
         assert!(!without_kl.extra.contains_key("kl"));
     }

@@ -6,6 +6,7 @@ pub mod advantage;
 pub mod checkpoint;
 pub mod config;
 pub mod eval;
+pub mod flops;
 pub mod loss;
 pub mod metrics;
 pub mod plot;

@@ -16,6 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use troupe_envs::{Action, Environment, Registry};
 
 use super::advantage::{like_turn_advantages, mean_std};
+use super::flops::FlopModel;
 use super::loss::{k3_estimate, policy_loss, TokenWeights};
 use super::rewards::{RewardPipeline, SeatOutcome};
 use super::rollout::{make_env, prompt_text, run_episodes, ChoiceTurn, EpisodeRecord, RolloutConfig};
@@ -115,6 +116,8 @@ pub struct IterationStats {
     /// `update` (the policy loss's forward and backward passes) and `optimizer` (clipping and
     /// AdamW).
     pub phase_seconds: BTreeMap<String, f64>,
+    /// Useful floating-point work of the `rollout` and `update` phases ([`super::flops`]).
+    pub phase_flops: BTreeMap<String, f64>,
 }
 
 /// The trainer: a model, the agents' adapters, their optimizer states, the iteration count.
@@ -137,6 +140,8 @@ pub struct MagrpoTrainer {
 /// What one backward pass over an iteration's samples produced.
 struct BackwardPass {
     grads: BTreeMap<String, AdapterGrads>,
+    /// Useful FLOPs of the forward and backward passes run.
+    flops: f64,
     loss: f64,
     kl_sum: f64,
     kl_tokens: usize,
@@ -275,12 +280,15 @@ impl MagrpoTrainer {
             AdapterMode::PerAgent => 1.0,
         };
         let per_agent = |s: &Sample, x: f64| (x / (units_per_agent[&s.agent] as f64 * shared_divisor)) as f32;
-        let mut pass = BackwardPass { grads: BTreeMap::new(), loss: 0.0, kl_sum: 0.0, kl_tokens: 0, tokens_per_agent: BTreeMap::new() };
+        let mut pass = BackwardPass { grads: BTreeMap::new(), flops: 0.0, loss: 0.0, kl_sum: 0.0, kl_tokens: 0, tokens_per_agent: BTreeMap::new() };
         let micro = self.settings.micro_batch_rows.max(1);
         // A sample with zero advantage adds nothing to the policy gradient (it still counts in
         // its agent's mean): without a KL term it needs no forward or backward pass.
         let (choices, replies): (Vec<&Sample>, Vec<&Sample>) =
             samples.iter().filter(|s| kl_coef > 0.0 || s.advantage != 0.0).partition(|s| s.choice.is_some());
+        // Forward, then a backward of twice its work; the KL reference is one more forward.
+        let passes = 3.0 + if kl_coef > 0.0 { 1.0 } else { 0.0 };
+        pass.flops = passes * choices.iter().chain(&replies).map(|s| self.sample_flops(s)).sum::<f64>();
         for (chunk_index, chunk) in replies.chunks(micro).enumerate() {
             let rows: Vec<Option<usize>> = chunk.iter().map(|s| Some(s.agent)).collect();
             let (delta, used) = self.manager.mixed_for_training(&rows, seed ^ chunk_index as u64)?;
@@ -338,6 +346,15 @@ impl MagrpoTrainer {
         }
         pass.tokens_per_agent = units_per_agent;
         Ok(pass)
+    }
+
+    /// Forward FLOPs of one sample's scoring.
+    fn sample_flops(&self, s: &Sample) -> f64 {
+        let model = FlopModel::new(&self.model.lm.config);
+        match &s.choice {
+            Some(choice) => model.packed_choice(s.prompt_len, &choice.candidates.iter().map(Vec::len).collect::<Vec<_>>()),
+            None => model.causal(s.tokens.len(), s.tokens.len() - s.prompt_len),
+        }
     }
 
     /// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums.
@@ -471,6 +488,16 @@ impl MagrpoTrainer {
         let pass = self.backward_samples(&samples, iteration_seed, self.settings.kl_coef)
             .map_err(|e| label_non_finite(e, &format!("iteration {iteration}")))?;
         let update_seconds = backward_started.elapsed().as_secs_f64();
+        let update_flops = pass.flops;
+        let flop_model = FlopModel::new(&self.model.lm.config);
+        let rollout_flops: f64 = episodes
+            .iter()
+            .flat_map(|e| &e.turns)
+            .map(|t| match &t.choice {
+                Some(c) => flop_model.packed_choice(t.prompt_ids.len(), &c.candidates.iter().map(Vec::len).collect::<Vec<_>>()),
+                None => flop_model.causal(t.prompt_ids.len() + t.completion_ids.len(), t.completion_ids.len()),
+            })
+            .sum();
         let optimizer_started = Instant::now();
         let lr = self.learning_rate(iteration);
         let mut states = std::mem::take(&mut self.optimizer_states);
@@ -523,6 +550,7 @@ impl MagrpoTrainer {
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
+            phase_flops: [("rollout".to_string(), rollout_flops), ("update".to_string(), update_flops)].into_iter().collect(),
         })
     }
 }

@@ -53,6 +53,8 @@ pub struct CodingParams {
     pub assert_timeout_ms: u64,
     /// The sandbox's limits.
     pub sandbox: SandboxConfig,
+    /// The part of the problem set episodes draw from (`all`, `train`, or the held-out `test`).
+    pub split: crate::split::Split,
 }
 
 impl Default for CodingParams {
@@ -65,6 +67,7 @@ impl Default for CodingParams {
             cooperation_needs_passing_test: true,
             assert_timeout_ms: 3_000,
             sandbox: SandboxConfig::default(),
+            split: Default::default(),
         }
     }
 }
@@ -131,6 +134,10 @@ impl CodingEnv {
             Some(path) => problems::load_problems(path)?,
             None => problems::shipped_problems(),
         };
+        let problems = params.split.select(problems);
+        if problems.is_empty() {
+            return Err(bad("split", format!("the {:?} split of the problems is empty", params.split)));
+        }
         let sandbox = Sandbox::shared(&params.sandbox).map_err(|err| bad("sandbox", err.to_string()))?;
         Ok(Self::with_parts(params, Arc::new(problems), sandbox))
     }

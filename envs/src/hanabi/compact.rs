@@ -8,14 +8,15 @@
 //! Fireworks R0 Y1 G0 W0 B0 (score 1/25). Info 7/8. Lives 3/3. Deck 37.
 //! Discards: G4 W2.
 //! You: 1?? 2?1 3R? 4??(YGWB1234) 5??
-//! P1: 1R1 2Y3 3G2 4B4 5W1
-//! P1 knows: 1?? 2?? 3G? 4?? 5??
+//! P1: 1R1 2Y3 3G2:G? 4B4 5W1
 //! Recent: P1 hinted you 1: 2 | you played Y1 (3)
 //! Legal: discard 1-5; play 1-5; hint red yellow green blue white; hint 1 2 3 4
 //! ```
 //!
 //! Card knowledge is `<color><rank>`: the hinted color letter or `?`, the hinted rank or `?`,
-//! followed by HLE's plausible colors and ranks in brackets when negative hints ruled some out.
+//! followed by HLE's plausible colors and ranks in brackets when negative hints ruled some out;
+//! another player's card is followed by `:` and its holder's knowledge unless they know nothing.
+//! The standing instructions are one word (`Hanabi.`): a small model learns the rules from play.
 //! A legal action's text carries a note in square brackets that the parser ignores: the actor's
 //! knowledge of the card it plays or discards (`play 2 [?1]`), or the cards a hint touches
 //! (`hint red [R1 R3]`), so that a model scoring the action sees what it is about.
@@ -200,10 +201,18 @@ pub fn observation(state: &HanabiState, seat: usize, history_moves: usize) -> St
         state.hands()[player].iter().enumerate().map(|(slot, held)| format!("{}{}", slot + 1, show(held))).collect::<Vec<_>>().join(" ")
     };
     let _ = writeln!(out, "You: {}", hand(seat, &|h| knowledge(&h.knowledge, colors, ranks)));
+    let unknown = CardKnowledge::new(colors, ranks);
     for offset in 1..players {
         let other = (seat + offset) % players;
-        let _ = writeln!(out, "P{other}: {}", hand(other, &|h| h.card.to_string()));
-        let _ = writeln!(out, "P{other} knows: {}", hand(other, &|h| knowledge(&h.knowledge, colors, ranks)));
+        // Each card, then what its holder knows of it when that is anything: `3G3:?3`.
+        let shown = |h: &super::cards::HandCard| {
+            if h.knowledge == unknown {
+                h.card.to_string()
+            } else {
+                format!("{}:{}", h.card, knowledge(&h.knowledge, colors, ranks))
+            }
+        };
+        let _ = writeln!(out, "P{other}: {}", hand(other, &shown));
     }
     let recent: Vec<String> =
         state.events().iter().rev().filter_map(|e| event(e, seat, players)).take(history_moves).collect();
@@ -218,12 +227,8 @@ pub fn observation(state: &HanabiState, seat: usize, history_moves: usize) -> St
 }
 
 /// The standing instructions in compact form.
-pub fn instructions(state: &HanabiState, seat: usize) -> String {
-    let config = state.config();
-    format!(
-        "Hanabi: play each color in rank order; a misplay costs a life, losing all {} scores 0. You are P{seat}.",
-        config.max_life_tokens
-    )
+pub fn instructions(_state: &HanabiState, _seat: usize) -> String {
+    "Hanabi.".to_string()
 }
 
 /// The text of `mv` for the player to move, with its note: `play 2 [?1]`, `discard 4 [R?]`,

@@ -60,6 +60,9 @@ pub struct WritingParams {
     pub num_turns: usize,
     /// The reward's bands, weights and word lists.
     pub reward: WritingReward,
+    /// The part of the dataset episodes draw from (`all`, `train`, or the held-out `test`).
+    #[serde(default)]
+    pub split: crate::split::Split,
 }
 
 impl WritingParams {
@@ -67,10 +70,10 @@ impl WritingParams {
     pub fn defaults(task: WritingTask) -> Self {
         match task {
             WritingTask::Arxiv => {
-                Self { dataset: None, field: "abstract".to_string(), num_turns: 1, reward: WritingReward::arxiv() }
+                Self { dataset: None, field: "abstract".to_string(), num_turns: 1, reward: WritingReward::arxiv(), split: Default::default() }
             }
             WritingTask::Tldr => {
-                Self { dataset: None, field: "post".to_string(), num_turns: 1, reward: WritingReward::tldr() }
+                Self { dataset: None, field: "post".to_string(), num_turns: 1, reward: WritingReward::tldr(), split: Default::default() }
             }
         }
     }
@@ -172,6 +175,10 @@ impl WritingEnv {
                 read_sources(text, &params.field, origin)?
             }
         };
+        let sources = params.split.select(sources);
+        if sources.is_empty() {
+            return Err(bad("split", format!("the {:?} split of the dataset is empty", params.split)));
+        }
         Ok(Self { task, params, sources: Arc::new(sources), source: 0, turns: Vec::new(), returns: [0.0; 2] })
     }
 

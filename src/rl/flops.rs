@@ -1,0 +1,77 @@
+//! Floating-point work of an iteration, counted as the useful multiply-adds of the model's
+//! matrices (2 FLOPs each), the way MFU figures count them: the linear projections of every
+//! token, the attention scores and weighted values of every (query, key) pair a causal or
+//! packed layout lets a token see, and the LM head where logits are read. Padding and the
+//! elementwise work (norms, RoPE, softmax) are not counted. A backward pass through the frozen
+//! base (gradients of the activations, then of the LoRA factors) counts twice its forward.
+
+use crate::model::ModelConfig;
+
+/// The per-token and per-pair costs of one model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FlopModel {
+    /// FLOPs of every linear projection of one token through all layers.
+    pub linear_per_token: f64,
+    /// FLOPs of one (query, key) pair through all layers' attention (scores and values).
+    pub attention_per_pair: f64,
+    /// FLOPs of the LM head at one position.
+    pub head_per_position: f64,
+}
+
+impl FlopModel {
+    /// The costs of `config`'s architecture.
+    pub fn new(config: &ModelConfig) -> Self {
+        let (h, i) = (config.hidden_size as f64, config.intermediate_size as f64);
+        let q = (config.num_attention_heads * config.head_dim) as f64;
+        let kv = (config.num_key_value_heads * config.head_dim) as f64;
+        let layers = config.num_hidden_layers as f64;
+        let per_layer = h * (q + 2.0 * kv) + q * h + 3.0 * h * i;
+        Self {
+            linear_per_token: 2.0 * per_layer * layers,
+            attention_per_pair: 2.0 * 2.0 * q * layers,
+            head_per_position: 2.0 * h * config.vocab_size as f64,
+        }
+    }
+
+    /// Forward FLOPs of one causal sequence of `len` tokens with logits at `logits` positions.
+    pub fn causal(&self, len: usize, logits: usize) -> f64 {
+        let n = len as f64;
+        n * self.linear_per_token + n * (n + 1.0) / 2.0 * self.attention_per_pair + logits as f64 * self.head_per_position
+    }
+
+    /// Forward FLOPs of one packed `choice` decision: a prompt of `prompt` tokens, then
+    /// candidates of `candidates[k]` tokens each seeing the prompt and their own earlier tokens;
+    /// logits at the prompt's last position and at every candidate token but the last.
+    pub fn packed_choice(&self, prompt: usize, candidates: &[usize]) -> f64 {
+        let p = prompt as f64;
+        let mut flops = self.causal(prompt, 1);
+        for &c in candidates {
+            let c = c as f64;
+            flops += c * self.linear_per_token + (c * p + c * (c + 1.0) / 2.0) * self.attention_per_pair;
+            flops += (c - 1.0).max(0.0) * self.head_per_position;
+        }
+        flops
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+
+    #[test]
+    fn counts_match_the_architecture_by_hand() {
+        // Tiny preset: hidden 128, intermediate 384, 4 layers, 4 heads x 32, 2 KV heads x 32,
+        // vocab 1024.
+        let f = FlopModel::new(&Preset::Tiny.config());
+        let per_layer = 128.0 * (128.0 + 64.0 + 64.0) + 128.0 * 128.0 + 3.0 * 128.0 * 384.0;
+        assert_eq!(f.linear_per_token, 2.0 * 4.0 * per_layer);
+        assert_eq!(f.attention_per_pair, 4.0 * 128.0 * 4.0);
+        assert_eq!(f.head_per_position, 2.0 * 128.0 * 1024.0);
+        // Two tokens: 2 linear passes, pairs (0,0), (1,0), (1,1), one head position.
+        assert_eq!(f.causal(2, 1), 2.0 * f.linear_per_token + 3.0 * f.attention_per_pair + f.head_per_position);
+        // A packed decision with one candidate equals the causal sequence of prompt + candidate
+        // with logits at the candidate's positions.
+        assert!((f.packed_choice(5, &[3]) - f.causal(8, 3)).abs() < 1e-6);
+    }
+}
