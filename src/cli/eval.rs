@@ -61,7 +61,7 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>) -> anyhow::Resu
     };
     let dir = resolve_adapters_dir(&args.adapters)?;
     let model = load_model(&config, &device)?;
-    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+    let mut manager = MultiAdapterManager::for_model(&model);
     manager.load_adapters(&dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
     let episodes = args.episodes.unwrap_or(config.eval.episodes);
     let summary = evaluate(&model, &manager, &config, episodes, &registry).with_context(|| format!("evaluating {}", dir.display()))?;

@@ -97,6 +97,20 @@ pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()>
     let delta = adapter_delta(args.adapter.as_deref(), &model, 1)?;
     let delta = delta.as_ref().map(|d| d as &dyn ProjectionDelta);
     let logprobs = if input_ids.len() >= 2 { score_rows(&model.lm, &[input_ids.clone()], delta)?.remove(0) } else { Vec::new() };
+    if let Some(position) = logprobs.iter().position(|value| !value.is_finite()) {
+        let source = match (&args.model, &args.adapter) {
+            (Some(dir), Some(adapter)) => format!("model {} with adapter {adapter}", dir.display()),
+            (Some(dir), None) => format!("model {}", dir.display()),
+            (None, Some(adapter)) => format!("the built-in model with adapter {adapter}"),
+            (None, None) => "the built-in model".to_string(),
+        };
+        anyhow::bail!(
+            "{source} gives a non-finite log-probability ({}) at token {} of {}: its weights hold NaN or infinite values",
+            logprobs[position],
+            position + 1,
+            input_ids.len()
+        );
+    }
     println!("{}", json!({"input_ids": input_ids, "logprobs": logprobs}));
     Ok(())
 }

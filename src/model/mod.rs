@@ -3,6 +3,7 @@
 
 pub mod builtin;
 pub mod config;
+pub mod fingerprint;
 pub mod layers;
 pub mod safetensors_io;
 pub mod tokenizer;
