@@ -127,3 +127,34 @@ fn root_only_files_stay_out_of_reach_of_the_code() {
     assert!(!output.output.contains("READ"), "{}", output.output);
     assert!(!output.output.contains(".bashrc"), "{}", output.output);
 }
+
+#[test]
+fn root_refuses_to_hand_its_identity_to_the_code_unless_told_to() {
+    if !is_root() {
+        eprintln!("NOTE: not root; the refusal to run code as root is only checked as root");
+        return;
+    }
+    let Ok(system) = std::fs::canonicalize("/usr/bin/python3") else {
+        eprintln!("NOTE: no /usr/bin/python3 to copy");
+        return;
+    };
+    // An interpreter only root may execute: nobody cannot run it, whatever is mounted.
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let private = dir.path().join("python3");
+    std::fs::copy(&system, &private).expect("copy the interpreter");
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let config = SandboxConfig {
+        python: private.display().to_string(),
+        timeout_ms: 4_000,
+        memory_mb: 256,
+        ..SandboxConfig::default()
+    };
+    let err = Sandbox::new(config.clone()).err().expect("root's identity is not handed over silently").to_string();
+    assert!(err.contains("run_as_root") && err.contains("nobody"), "{err}");
+    let allowed = Sandbox::new(SandboxConfig { run_as_root: true, ..config }).expect("explicitly allowed");
+    let line = allowed.protections().to_string();
+    assert!(line.contains("runs as ROOT") && line.contains("run_as_root"), "{line}");
+    let output = allowed.run(&Job::script("print('ok')")).expect("runs");
+    assert_eq!(output.output.trim(), "ok");
+}
