@@ -158,6 +158,8 @@ fn values_that_cannot_fit_are_refused_before_the_run_directory_exists() {
         assert!(!out.exists());
         let line = error_line(&troupe(&["env", "bench", "hanabi", "--episodes", episodes]));
         assert!(line.contains("--episodes"), "{line}");
+        let line = error_line(&troupe(&["eval", "--config", config_s, "--adapters", run.to_str().expect("utf-8"), "--episodes", episodes]));
+        assert!(line.contains("--episodes"), "{line}");
     }
 }
 

@@ -52,6 +52,12 @@ pub fn resolve_adapters_dir(path: &Path) -> anyhow::Result<PathBuf> {
 
 /// Evaluates; prints the summary as JSON.
 pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>) -> anyhow::Result<()> {
+    if let Some(episodes) = args.episodes {
+        let limit = crate::rl::limits::MAX_EPISODES;
+        if episodes == 0 || episodes > limit {
+            anyhow::bail!("--episodes {episodes}: give between 1 and {limit} episodes");
+        }
+    }
     let config = TrainConfig::from_yaml_file(&args.config, &args.set)?;
     let registry = Registry::with_builtins();
     config.build_env(&args.config, &registry)?;

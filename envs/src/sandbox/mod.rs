@@ -393,8 +393,12 @@ impl Sandbox {
         for &abi in &landlock_options {
             for &use_seccomp in seccomp_options {
                 if root {
-                    let namespaces = if config.network_namespace { Namespaces::Network } else { Namespaces::None };
-                    candidates.push((namespaces, Some(NOBODY), abi, use_seccomp));
+                    // Without a network namespace too (a container may refuse new namespaces;
+                    // Landlock and seccomp still cut the network).
+                    if config.network_namespace {
+                        candidates.push((Namespaces::Network, Some(NOBODY), abi, use_seccomp));
+                    }
+                    candidates.push((Namespaces::None, Some(NOBODY), abi, use_seccomp));
                 }
                 if !root || config.run_as_root {
                     for &namespaces in namespace_options {
