@@ -303,7 +303,10 @@ pub fn interpret(linked: &LinkedOutput) -> Evaluation {
             Verdict::Failed { reason: format!("killed by signal {signal}"), failing_assert }
         }
         Termination::Exited(code) if !done => Verdict::Failed {
-            reason: failure.unwrap_or_else(|| format!("the judge exited with code {code} before the tests finished")),
+            reason: failure.unwrap_or_else(|| {
+                let last = run.output.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("").trim();
+                format!("the judge exited with code {code} before the tests finished{}{last}", if last.is_empty() { "" } else { ": " })
+            }),
             failing_assert,
         },
         Termination::Exited(_) => {
