@@ -232,6 +232,9 @@ fn nan_weights_and_adapters_of_another_base_are_not_accepted_silently() {
     let same_base = troupe(&["logprobs", "--adapter", &spec, "--text", "play card 1"]);
     succeeds(&same_base);
     assert!(!stderr(&same_base).contains("another base model"), "{}", stderr(&same_base));
+    // A reply budget beyond the context: refused before generating anything.
+    let line = error_line(&troupe(&["generate", "--prompt", "hi", "--max-new-tokens", "100000000000"]));
+    assert!(line.contains("--max-new-tokens") && line.contains("max_position_embeddings"), "{line}");
     // NaN weights: an error, not null log-probabilities.
     poison_tensor(&model.join("model.safetensors"), "model.norm.weight");
     let line = error_line(&troupe(&["logprobs", "--model", model.to_str().expect("utf-8"), "--text", "play card 1"]));

@@ -136,6 +136,16 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
     if prompt_ids.is_empty() {
         anyhow::bail!("--prompt encodes to no tokens");
     }
+    let context = model.lm.config.max_position_embeddings;
+    if prompt_ids.len().saturating_add(args.max_new_tokens) > context {
+        anyhow::bail!(
+            "--max-new-tokens {}: with the prompt's {} tokens that exceeds the model's context of {context} tokens \
+             (max_position_embeddings); at most {} new tokens fit",
+            args.max_new_tokens,
+            prompt_ids.len(),
+            context.saturating_sub(prompt_ids.len())
+        );
+    }
     let options = GenerateOptions {
         max_new_tokens: args.max_new_tokens,
         sampling: SamplingConfig { temperature: args.temperature, top_k: args.top_k, top_p: args.top_p },
