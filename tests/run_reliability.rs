@@ -85,7 +85,8 @@ fn one_trainer_per_run_directory_and_a_dead_holder_is_no_obstacle() {
     first.kill().expect("kill");
     first.wait().expect("wait");
     let summary = succeeds(&troupe(&["train", "--resume", run.to_str().expect("utf-8"), "--set", "run.iterations=1", "--quiet"]));
-    assert_eq!(summary["iterations"], 1);
+    // Iteration 1, or later if the killed trainer got that far first.
+    assert!(summary["iterations"].as_u64().is_some_and(|done| done >= 1), "{summary}");
 }
 
 #[test]
