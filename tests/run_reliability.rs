@@ -18,7 +18,7 @@ fn stderr(out: &Output) -> String {
 }
 
 fn succeeds(out: &Output) -> serde_json::Value {
-    assert!(out.status.success(), "stderr: {}", stderr(out));
+    assert!(out.status.success(), "{:?}, stderr: {}", out.status, stderr(out));
     serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
