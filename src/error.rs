@@ -155,6 +155,14 @@ pub enum TroupeError {
         /// What went non-finite, at which iteration.
         message: String,
     },
+    /// Another process holds the run directory (a trainer still running there).
+    #[error("{}: in use by another troupe process (pid {}); wait for it to finish or stop it, then try again", .path.display(), .holder.map_or_else(|| "unknown".to_string(), |pid| pid.to_string()))]
+    RunInUse {
+        /// The run directory.
+        path: PathBuf,
+        /// The holder's process id, as it wrote it in the lock file (None when not yet written).
+        holder: Option<u32>,
+    },
     /// A plot could not be drawn or encoded.
     #[error("plot {path}: {message}")]
     Plot {

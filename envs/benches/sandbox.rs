@@ -18,6 +18,7 @@ fn bench(c: &mut Criterion) {
     let submission = |i: usize| Submission {
         problem: &problems[i % problems.len()],
         program: problems[i % problems.len()].canonical_program(),
+        helper_program: None,
         with_preamble: false,
         helper: Some("aux"),
         assert_timeout_s: 3.0,
@@ -47,7 +48,7 @@ fn bench(c: &mut Criterion) {
             assert!(status.success());
         })
     });
-    let pass = Job { script: "pass".to_string(), files: Vec::new() };
+    let pass = Job::script("pass");
     group.bench_function("sandboxed pass", |b| b.iter(|| sandbox.run(&pass).expect("runs")));
     group.bench_function("sandboxed canonical solution with tests", |b| {
         let one = submission(0);

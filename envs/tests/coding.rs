@@ -19,7 +19,7 @@ fn sandbox() -> Sandbox {
 }
 
 fn submission<'a>(problem: &'a Problem, program: String, with_preamble: bool) -> Submission<'a> {
-    Submission { problem, program, with_preamble, helper: Some("aux"), assert_timeout_s: 1.0 }
+    Submission { problem, program, helper_program: None, with_preamble, helper: Some("aux"), assert_timeout_s: 1.0 }
 }
 
 #[test]
@@ -96,7 +96,9 @@ fn syntax_errors_load_errors_and_hostile_code_get_their_verdicts() {
             }
             "memory" => assert_eq!(evaluation.verdict, Verdict::MemoryExceeded),
             "exit" => assert!(
-                matches!(&evaluation.verdict, Verdict::Failed { reason, .. } if reason.contains("before the tests finished"))
+                matches!(&evaluation.verdict, Verdict::Failed { reason, .. } if reason.contains("the candidate process ended")),
+                "{:?}",
+                evaluation.verdict
             ),
             _ => unreachable!("the cases above"),
         }
@@ -237,6 +239,34 @@ fn level_boundaries_through_the_environment() {
         let record = env.score_pair(&helper_code, &main_code);
         assert!((record.scores.total - expected).abs() < 1e-9, "{main_code}: {:?}", record.scores);
     }
+}
+
+#[test]
+fn cooperation_counts_only_helper_calls_made_while_the_tests_run() {
+    let params = CodingParams { sandbox: config(), assert_timeout_ms: 1_000, ..CodingParams::default() };
+    let mut env = CodingEnv::with_parts(params, std::sync::Arc::new(vec![scheme_problem()]), sandbox());
+    env.reset(0);
+    let helper = "def aux(x):\n    return x * x\n";
+    // Correct mains that never call the helper agent's function while the tests run: a call
+    // in dead code, after a return, in a function nobody calls, or of a look-alike of its own.
+    let dead = [
+        "def f(xs):\n    if False:\n        aux(xs)\n    return sum(x * x for x in xs)\n",
+        "def f(xs):\n    return sum(x * x for x in xs)\n    aux(xs)\n",
+        "def never():\n    return aux(1)\n\n\ndef f(xs):\n    return sum(x * x for x in xs)\n",
+        "def aux(x):\n    return x * x\n\n\ndef f(xs):\n    return sum(aux(x) for x in xs)\n",
+    ];
+    for main in dead {
+        let record = env.score_pair(helper, main);
+        let evaluation = record.evaluation.as_ref().expect("ran");
+        assert_eq!(evaluation.verdict, Verdict::Passed, "{main}\n{:?}", evaluation.verdict);
+        assert_eq!(evaluation.helper_calls, 0, "{main}");
+        assert_eq!(record.scores.cooperation, 0.0, "{main}");
+        assert!((record.scores.total - 0.75).abs() < 1e-9, "{main}: {:?}", record.scores);
+    }
+    // A main that really calls it, through the judge.
+    let record = env.score_pair(helper, "def f(xs):\n    return sum(aux(x) for x in xs)\n");
+    assert_eq!(record.evaluation.as_ref().expect("ran").helper_calls, 2);
+    assert_eq!(record.scores.total, 1.0);
 }
 
 #[test]

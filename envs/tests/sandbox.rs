@@ -23,7 +23,7 @@ fn sandbox() -> Sandbox {
 }
 
 fn run(script: &str) -> RunOutput {
-    let output = sandbox().run(&Job { script: script.to_string(), files: Vec::new() }).expect("the sandbox starts");
+    let output = sandbox().run(&Job { script: script.to_string(), ..Job::default() }).expect("the sandbox starts");
     eprintln!(
         "{:?} in {:?}: {}",
         output.termination,
@@ -90,7 +90,7 @@ fn fork_bomb_with_subprocesses_allowed_hits_the_process_limit_and_is_cleaned_up(
     };
     eprintln!("{}", sandbox.protections());
     let script = "import os, time\n# fork-bomb-2\nfor _ in range(10000):\n    try:\n        os.fork()\n    except OSError:\n        time.sleep(0.05)\n";
-    let output = sandbox.run(&Job { script: script.to_string(), files: Vec::new() }).expect("runs");
+    let output = sandbox.run(&Job { script: script.to_string(), ..Job::default() }).expect("runs");
     eprintln!("{:?} {:?}", output.termination, output.wall_time);
     assert!(output.wall_time < Duration::from_millis(3_500));
     assert_eq!(live_processes_with("fork-bomb-2"), 0);
@@ -169,7 +169,7 @@ fn the_parents_environment_is_not_visible() {
         if proc_blocked { "True" } else { "False" },
         std::process::id()
     );
-    let output = sandbox.run(&Job { script, files: Vec::new() }).expect("runs");
+    let output = sandbox.run(&Job { script, ..Job::default() }).expect("runs");
     eprintln!("{}", output.output);
     assert_eq!(output.termination, Termination::Exited(0));
     assert!(!output.output.contains("hunter2"), "{}", output.output);
@@ -189,7 +189,7 @@ fn killing_the_parent_is_refused() {
         "import os, signal\nfor pid in [os.getppid(), {}]:\n    try:\n        os.kill(pid, signal.SIGKILL)\n        print('KILLED', pid)\n    except OSError as e:\n        print('refused', type(e).__name__)\n",
         std::process::id()
     );
-    let output = sandbox.run(&Job { script, files: Vec::new() }).expect("runs");
+    let output = sandbox.run(&Job { script, ..Job::default() }).expect("runs");
     // Still here: the trainer survived.
     assert_eq!(output.termination, Termination::Exited(0));
     assert!(!output.output.contains("KILLED"), "{}", output.output);
@@ -209,14 +209,14 @@ fn printing_a_hundred_megabytes_is_capped() {
 fn the_cpu_limit_ends_a_busy_process() {
     let sandbox =
         Sandbox::new(SandboxConfig { timeout_ms: 10_000, cpu_seconds: 1, ..SandboxConfig::default() }).expect("starts");
-    let output = sandbox.run(&Job { script: "while True:\n    pass\n".to_string(), files: Vec::new() }).expect("runs");
+    let output = sandbox.run(&Job { script: "while True:\n    pass\n".to_string(), ..Job::default() }).expect("runs");
     assert_eq!(output.termination, Termination::Signaled(libc_sigxcpu()));
     assert!(output.wall_time < Duration::from_secs(4));
 }
 
 #[test]
 fn many_jobs_run_in_parallel_in_order() {
-    let jobs: Vec<Job> = (0..8).map(|i| Job { script: format!("print({i} * {i})"), files: Vec::new() }).collect();
+    let jobs: Vec<Job> = (0..8).map(|i| Job { script: format!("print({i} * {i})"), ..Job::default() }).collect();
     let outputs = sandbox().run_many(&jobs);
     for (i, output) in outputs.into_iter().enumerate() {
         let output = output.expect("runs");
@@ -229,6 +229,7 @@ fn job_files_are_in_the_working_directory() {
     let job = Job {
         script: "print(open('data.txt').read())".to_string(),
         files: vec![("data.txt".to_string(), b"hello".to_vec())],
+        stdin: Vec::new(),
     };
     let output = sandbox().run(&job).expect("runs");
     assert_eq!(output.output.trim(), "hello");
@@ -287,7 +288,7 @@ fn each_layer_alone_still_refuses_network_and_signals() {
         // Only attack the test process where a layer claims to stop it (a user namespace alone
         // does not: the code keeps the trainer's user id).
         let script = if signals_blocked { format!("{network}{kill}") } else { network.clone() };
-        let output = sandbox.run(&Job { script, files: Vec::new() }).expect("runs");
+        let output = sandbox.run(&Job { script, ..Job::default() }).expect("runs");
         eprintln!("{name}: {}", output.output);
         assert_eq!(output.termination, Termination::Exited(0), "{name}");
         assert!(protections.network_blocked(), "{name}: no network layer active");
@@ -329,7 +330,7 @@ fn reading_outside_the_interpreter_and_system_libraries_is_refused() {
         "for path in [{:?}, '/etc/hostname', '/proc/self/environ']:\n    try:\n        print('READ', open(path).read())\n    except OSError as e:\n        print('refused', type(e).__name__)\n",
         secret.display().to_string()
     );
-    let output = sandbox.run(&Job { script, files: Vec::new() }).expect("runs");
+    let output = sandbox.run(&Job { script, ..Job::default() }).expect("runs");
     assert_eq!(output.termination, Termination::Exited(0));
     assert!(!output.output.contains("READ"), "{}", output.output);
     assert_eq!(output.output.matches("refused").count(), 3, "{}", output.output);

@@ -29,12 +29,35 @@ pub struct MultiAdapterManager {
     agents: BTreeMap<usize, String>,
     /// The agent whose adapter single-adapter calls use; `None`: the bare base.
     active: Option<usize>,
+    /// The base model's fingerprint, recorded on save and checked on load (when known).
+    base_fingerprint: Option<String>,
 }
 
 impl MultiAdapterManager {
     /// A manager with no adapters for a base model of `base`, keeping tensors on `device`.
     pub fn new(base: &ModelConfig, device: &Device) -> Self {
-        Self { base: base.clone(), device: device.clone(), mode: AdapterMode::PerAgent, adapters: BTreeMap::new(), agents: BTreeMap::new(), active: None }
+        Self {
+            base: base.clone(),
+            device: device.clone(),
+            mode: AdapterMode::PerAgent,
+            adapters: BTreeMap::new(),
+            agents: BTreeMap::new(),
+            active: None,
+            base_fingerprint: None,
+        }
+    }
+
+    /// A manager for `model`, which records its base fingerprint with saved adapters and warns
+    /// when loading adapters recorded on another base.
+    pub fn for_model(model: &crate::model::Model) -> Self {
+        let mut manager = Self::new(&model.lm.config, model.lm.device());
+        manager.base_fingerprint = Some(crate::model::fingerprint::base_fingerprint(&model.lm));
+        manager
+    }
+
+    /// The base model's fingerprint, when known.
+    pub fn base_fingerprint(&self) -> Option<&str> {
+        self.base_fingerprint.as_deref()
     }
 
     /// The default adapter name of an agent: `agent_<id>`.
@@ -218,7 +241,11 @@ impl MultiAdapterManager {
 
     /// The `troupe.json` manifest describing the current mapping.
     pub fn manifest(&self) -> Manifest {
-        Manifest { mode: self.mode, agents: self.agents.iter().map(|(id, name)| (id.to_string(), name.clone())).collect() }
+        Manifest {
+            mode: self.mode,
+            agents: self.agents.iter().map(|(id, name)| (id.to_string(), name.clone())).collect(),
+            base_fingerprint: self.base_fingerprint.clone(),
+        }
     }
 
     /// Saves every adapter in PEFT's layout under `dir` (`dir/<name>/...`, plus `troupe.json`).
@@ -231,6 +258,7 @@ impl MultiAdapterManager {
     /// once every adapter has been read and checked against the base model.
     pub fn load_adapters(&mut self, dir: &Path) -> Result<()> {
         let (manifest, adapters) = read_adapters_dir(dir, &self.base, &self.device)?;
+        super::peft::check_base(dir, manifest.base_fingerprint.as_deref(), self.base_fingerprint.as_deref());
         let mut agents = BTreeMap::new();
         for (id, name) in &manifest.agents {
             let id: usize = id.parse().map_err(|_| TroupeError::ConfigField {

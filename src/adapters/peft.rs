@@ -41,6 +41,28 @@ pub struct Manifest {
     pub mode: AdapterMode,
     /// Agent id (as a string key, JSON style) -> adapter name.
     pub agents: BTreeMap<String, String>,
+    /// The base model the adapters were trained on ([`crate::model::fingerprint`]); absent in
+    /// directories written before it was recorded, or by PEFT.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_fingerprint: Option<String>,
+}
+
+/// Warns (log target `troupe::adapters`) when adapters recorded on one base are loaded onto
+/// another: same shapes, different weights, so nothing else would notice. Returns whether
+/// they match (true when either side is unknown).
+pub fn check_base(dir: &Path, recorded: Option<&str>, current: Option<&str>) -> bool {
+    match (recorded, current) {
+        (Some(recorded), Some(current)) if recorded != current => {
+            tracing::warn!(
+                target: "troupe::adapters",
+                "{}: these adapters were trained on another base model (base fingerprint {recorded}, this model's is \
+                 {current}); their outputs will not be what they were trained to give",
+                dir.display()
+            );
+            false
+        }
+        _ => true,
+    }
 }
 
 /// Reads one PEFT adapter directory, checking it against the base model.
@@ -99,7 +121,11 @@ pub fn read_adapters_dir(dir: &Path, base: &ModelConfig, device: &Device) -> Res
             // A single adapter directory rather than a directory of adapters.
             let name = dir.file_name().and_then(|n| n.to_str()).unwrap_or("agent_0").to_string();
             let adapter = read_adapter_dir(dir, base, device)?;
-            let manifest = Manifest { mode: AdapterMode::PerAgent, agents: BTreeMap::from([("0".to_string(), name.clone())]) };
+            let manifest = Manifest {
+                mode: AdapterMode::PerAgent,
+                agents: BTreeMap::from([("0".to_string(), name.clone())]),
+                base_fingerprint: None,
+            };
             return Ok((manifest, BTreeMap::from([(name, adapter)])));
         }
         if names.is_empty() {
@@ -114,7 +140,7 @@ pub fn read_adapters_dir(dir: &Path, base: &ModelConfig, device: &Device) -> Res
             .collect();
         let agents = by_id.unwrap_or_else(|| names.iter().enumerate().map(|(i, n)| (i.to_string(), n.clone())).collect());
         let mode = if names == ["shared"] { AdapterMode::Shared } else { AdapterMode::PerAgent };
-        Manifest { mode, agents }
+        Manifest { mode, agents, base_fingerprint: None }
     };
     let mut adapters = BTreeMap::new();
     for name in manifest.agents.values() {

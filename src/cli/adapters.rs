@@ -86,6 +86,16 @@ pub fn adapter_delta(spec: Option<&str>, model: &Model, rows: usize) -> Result<O
     let dir = resolve_adapter_dir(spec)?;
     let adapter: LoraAdapter = read_adapter_dir(&dir, &model.lm.config, model.lm.device())
         .with_context(|| format!("loading adapter {}", dir.display()))?;
+    // The manifest of the directory of adapters this one belongs to records its base.
+    if let Some(manifest) = [dir.join(MANIFEST_FILE), dir.parent().map(|p| p.join(MANIFEST_FILE)).unwrap_or_default()]
+        .iter()
+        .find(|path| path.is_file())
+        .and_then(|path| std::fs::read_to_string(path).ok())
+        .and_then(|text| serde_json::from_str::<crate::adapters::peft::Manifest>(&text).ok())
+    {
+        let current = crate::model::fingerprint::base_fingerprint(&model.lm);
+        crate::adapters::peft::check_base(&dir, manifest.base_fingerprint.as_deref(), Some(&current));
+    }
     Ok(Some(MixedLora::new(&[&adapter], &vec![Some(0); rows], &model.lm.config, model.lm.device())))
 }
 

@@ -121,6 +121,7 @@ pub fn run(command: EnvCommand) -> anyhow::Result<()> {
             Ok(())
         }
         EnvCommand::Bench { name, episodes, seed, policy, set } => {
+            check_episodes(episodes)?;
             let policy = policy.unwrap_or_else(|| if name == "coding" { "canonical" } else { "random" }.to_string());
             let mut env = registry.make(&name, &parse_sets(&set)?)?;
             let mut policy = policy::policy_by_name(&policy)?;
@@ -130,6 +131,7 @@ pub fn run(command: EnvCommand) -> anyhow::Result<()> {
             Ok(())
         }
         EnvCommand::Record { name, episodes, seed, policy, set, out } => {
+            check_episodes(episodes)?;
             let mut policy = policy::policy_by_name(&policy)?;
             let lines =
                 records::record_episodes(&registry, &name, &parse_sets(&set)?, episodes, seed, policy.as_mut())?;
@@ -145,7 +147,11 @@ pub fn run(command: EnvCommand) -> anyhow::Result<()> {
         EnvCommand::Replay { files } => {
             let mut report = records::ReplayReport::default();
             for file in &files {
-                report.merge(records::replay_file(file)?);
+                let one = records::replay_file(file)?;
+                if one.passed + one.failed == 0 {
+                    bail!("{}: no game records in the file", file.display());
+                }
+                report.merge(one);
             }
             for failure in &report.failures {
                 eprintln!("FAILED {failure}");
@@ -157,6 +163,18 @@ pub fn run(command: EnvCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `--episodes` of `env bench` / `env record`: at least 1, and few enough to hold in memory.
+fn check_episodes(episodes: usize) -> anyhow::Result<()> {
+    let limit = crate::rl::limits::MAX_EPISODES;
+    if episodes == 0 {
+        bail!("--episodes 0: give at least 1 episode");
+    }
+    if episodes > limit {
+        bail!("--episodes {episodes} is too large (at most {limit})");
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -52,6 +52,12 @@ pub fn resolve_adapters_dir(path: &Path) -> anyhow::Result<PathBuf> {
 
 /// Evaluates; prints the summary as JSON.
 pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>) -> anyhow::Result<()> {
+    if let Some(episodes) = args.episodes {
+        let limit = crate::rl::limits::MAX_EPISODES;
+        if episodes == 0 || episodes > limit {
+            anyhow::bail!("--episodes {episodes}: give between 1 and {limit} episodes");
+        }
+    }
     let config = TrainConfig::from_yaml_file(&args.config, &args.set)?;
     let registry = Registry::with_builtins();
     config.build_env(&args.config, &registry)?;
@@ -61,7 +67,7 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>) -> anyhow::Resu
     };
     let dir = resolve_adapters_dir(&args.adapters)?;
     let model = load_model(&config, &device)?;
-    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+    let mut manager = MultiAdapterManager::for_model(&model);
     manager.load_adapters(&dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
     let episodes = args.episodes.unwrap_or(config.eval.episodes);
     let summary = evaluate(&model, &manager, &config, episodes, &registry).with_context(|| format!("evaluating {}", dir.display()))?;

@@ -120,6 +120,20 @@ pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()>
     let delta = adapter_delta(args.adapter.as_deref(), &model, 1)?;
     let delta = delta.as_ref().map(|d| d as &dyn ProjectionDelta);
     let logprobs = if input_ids.len() >= 2 { score_rows(&model.lm, &[input_ids.clone()], delta)?.remove(0) } else { Vec::new() };
+    if let Some(position) = logprobs.iter().position(|value| !value.is_finite()) {
+        let source = match (&args.model, &args.adapter) {
+            (Some(dir), Some(adapter)) => format!("model {} with adapter {adapter}", dir.display()),
+            (Some(dir), None) => format!("model {}", dir.display()),
+            (None, Some(adapter)) => format!("the built-in model with adapter {adapter}"),
+            (None, None) => "the built-in model".to_string(),
+        };
+        anyhow::bail!(
+            "{source} gives a non-finite log-probability ({}) at token {} of {}: its weights hold NaN or infinite values",
+            logprobs[position],
+            position + 1,
+            input_ids.len()
+        );
+    }
     println!("{}", json!({"input_ids": input_ids, "logprobs": logprobs}));
     Ok(())
 }
@@ -144,6 +158,16 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
     let prompt_ids = model.tokenizer.encode(&prompt)?;
     if prompt_ids.is_empty() {
         anyhow::bail!("--prompt encodes to no tokens");
+    }
+    let context = model.lm.config.max_position_embeddings;
+    if prompt_ids.len().saturating_add(args.max_new_tokens) > context {
+        anyhow::bail!(
+            "--max-new-tokens {}: with the prompt's {} tokens that exceeds the model's context of {context} tokens \
+             (max_position_embeddings); at most {} new tokens fit",
+            args.max_new_tokens,
+            prompt_ids.len(),
+            context.saturating_sub(prompt_ids.len())
+        );
     }
     let options = GenerateOptions {
         max_new_tokens: args.max_new_tokens,

@@ -4,6 +4,7 @@
 
 pub mod builtin;
 pub mod config;
+pub mod fingerprint;
 pub mod gguf;
 pub mod inspect;
 pub mod layers;

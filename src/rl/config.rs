@@ -383,8 +383,12 @@ const FREE_FORM: [&[&str]; 3] = [&["env"], &["eval", "baseline_seats"], &["eval"
 impl TrainConfig {
     /// Reads `path`, applies the `--set key.path=value` overrides, parses strictly and validates
     /// against the built-in environments (see [`TrainConfig::from_yaml_str`]).
+    /// A file that holds no config (empty, or only comments) and a section left empty (as a
+    /// file cut off after `eval:` leaves it) are errors; a file that does not end with a
+    /// newline, as a cut-off one does not, gets a warning.
     pub fn from_yaml_file(path: &Path, overrides: &[String]) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| TroupeError::io(path, e))?;
+        super::config_file::check_whole(&text, path)?;
         Self::from_yaml_str(&text, path, overrides, &Registry::with_builtins())
     }
 
@@ -520,6 +524,9 @@ impl TrainConfig {
         }
         if !(action.top_p > 0.0 && action.top_p <= 1.0) {
             return fail("action.top_p", format!("{} is not in (0, 1]", action.top_p));
+        }
+        if let Some((key, message)) = super::limits::oversized(self) {
+            return fail(key, message);
         }
         // training
         let t = &self.training;

@@ -157,7 +157,7 @@ mod tests {
         let config = TrainConfig::from_yaml_str(yaml, std::path::Path::new("test.yaml"), &[], &registry).unwrap();
         let device = burn::tensor::Device::flex();
         let model = load_model(&config, &device).unwrap();
-        let manager = fresh_adapters(&config, &model, &device).unwrap();
+        let manager = fresh_adapters(&config, &model).unwrap();
         let run = || {
             let mut summary = evaluate(&model, &manager, &config, 3, &registry).unwrap();
             summary.seconds = 0.0;

@@ -5,11 +5,16 @@
 pub mod advantage;
 pub mod checkpoint;
 pub mod config;
+pub mod config_file;
+pub mod config_guard;
 pub mod eval;
 pub mod flops;
+pub mod limits;
+pub mod lock;
 pub mod loss;
 pub mod metrics;
 pub mod plot;
+pub mod preflight;
 pub mod protocols;
 pub mod rewards;
 pub mod rollout;

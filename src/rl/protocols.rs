@@ -553,6 +553,7 @@ pub fn score_solo(env: &CodingEnv, program: &str) -> (LevelScores, Option<Evalua
         let submission = Submission {
             problem,
             program: format!("{}\n", program.trim_end()),
+            helper_program: None,
             with_preamble: true,
             helper: None,
             assert_timeout_s: params.assert_timeout_ms as f64 / 1000.0,

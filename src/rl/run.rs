@@ -6,13 +6,21 @@
 //! checkpoint every `run.checkpoint_every` iterations and after the last. A resumed run loads
 //! the newest complete checkpoint, cuts `metrics.jsonl` back to it, and continues with the same
 //! random stream, so 2 + resume + 2 iterations equal 4 straight.
+//!
+//! No dead ends: the run directory is locked for the run's life ([`super::lock`]); a run cut
+//! off before its first checkpoint was whole resumes from the start with `--resume`; an
+//! unreadable newest checkpoint is set aside (renamed `corrupt-iteration-N`) and the previous
+//! one is used, with a warning; a config that cannot fit the model is refused before the
+//! directory is created ([`super::preflight`]); edits to `config.yaml` are checked on resume
+//! ([`super::config_guard`]).
 
 use std::path::{Path, PathBuf};
 
 use troupe_envs::Registry;
 
-use super::checkpoint::{clean_staging, latest_checkpoint, load_checkpoint, save_checkpoint};
+use super::checkpoint::{clean_staging, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint};
 use super::config::{TrainConfig, CONFIG_FILE};
+use super::lock::{RunLock, LOCK_FILE};
 use super::metrics::{truncate_to, IterationMetrics, MetricsWriter};
 use super::trainer::MagrpoTrainer;
 use crate::adapters::{AdapterMode, MultiAdapterManager};
@@ -30,6 +38,8 @@ pub struct TrainingRun {
     /// The newest checkpoint on disk, as (iteration, directory).
     pub last_checkpoint: (u64, PathBuf),
     metrics: MetricsWriter,
+    /// Held for the run's life: no second trainer in this directory.
+    _lock: RunLock,
 }
 
 /// The model a config names: a Hugging Face directory, or the built-in preset.
@@ -48,8 +58,8 @@ pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result
 }
 
 /// The agents' fresh adapters, as the config asks (seeded from the run seed).
-pub fn fresh_adapters(config: &TrainConfig, model: &Model, device: &burn::tensor::Device) -> Result<MultiAdapterManager> {
-    let mut manager = MultiAdapterManager::new(&model.lm.config, device);
+pub fn fresh_adapters(config: &TrainConfig, model: &Model) -> Result<MultiAdapterManager> {
+    let mut manager = MultiAdapterManager::for_model(model);
     let adapter = config.adapter_config();
     match config.agents.mode {
         AdapterMode::PerAgent => manager.create_adapters_seeded(config.agents.num_agents, &adapter, config.run.seed)?,
@@ -61,26 +71,48 @@ pub fn fresh_adapters(config: &TrainConfig, model: &Model, device: &burn::tensor
 impl TrainingRun {
     /// Starts a new run in `config.run.out_dir`, which must not hold a run already. Writes
     /// `config.yaml` and the checkpoint of iteration 0. `origin` names the config file in errors.
+    /// Refuses a directory that holds a run already, or anything else (it is not troupe's to
+    /// fill), and one another trainer holds; checks the config against the model before the
+    /// directory is created.
     pub fn start(config: TrainConfig, origin: &Path, registry: Registry, device: &burn::tensor::Device) -> Result<Self> {
         config.build_env(origin, &registry)?;
         let run_dir = config.run.out_dir.clone();
-        if run_dir.join(CONFIG_FILE).exists() || latest_checkpoint(&run_dir)?.is_some() {
-            return Err(TroupeError::Checkpoint {
-                path: run_dir.clone(),
-                message: format!(
-                    "already holds a run; continue it with `troupe train --resume {}` or choose another run.out_dir",
-                    run_dir.display()
-                ),
-            });
-        }
+        // A directory a trainer made (or is making) is locked first, so that a trainer still
+        // running there is named; any other directory is refused before anything is written.
+        let early_lock = if run_dir.join(LOCK_FILE).exists() || run_dir.join(CONFIG_FILE).exists() {
+            Some(RunLock::acquire(&run_dir)?)
+        } else {
+            None
+        };
+        check_fresh_dir(&run_dir)?;
         let model = load_model(&config, device)?;
-        let manager = fresh_adapters(&config, &model, device)?;
+        super::preflight::check_against_model(&config, origin, &model, &registry)?;
+        let lock = match early_lock {
+            Some(lock) => lock,
+            None => RunLock::acquire(&run_dir)?,
+        };
+        // Checked again under the lock: another trainer may have started here meanwhile.
+        check_fresh_dir(&run_dir)?;
+        Self::begin(config, run_dir, model, registry, lock)
+    }
+
+    /// The fresh state of a run in `run_dir` (locked): `config.yaml`, the reference copy of
+    /// the config, an empty `metrics.jsonl` and the checkpoint of iteration 0.
+    fn begin(
+        config: TrainConfig,
+        run_dir: PathBuf,
+        model: Model,
+        registry: Registry,
+        lock: RunLock,
+    ) -> Result<Self> {
+        let manager = fresh_adapters(&config, &model)?;
         let trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
         config.save(&run_dir)?;
+        super::config_guard::record(&config, &run_dir)?;
         let _ = std::fs::remove_file(super::metrics::metrics_path(&run_dir));
         let metrics = MetricsWriter::open(&run_dir)?;
         let dir = save_checkpoint(&run_dir, 0, &trainer.manager, &trainer.optimizer_states, &trainer.rng)?;
-        Ok(Self { run_dir, config, trainer, last_checkpoint: (0, dir), metrics })
+        Ok(Self { run_dir, config, trainer, last_checkpoint: (0, dir), metrics, _lock: lock })
     }
 
     /// Continues the run in `run_dir` from its newest complete checkpoint. `overrides`
@@ -91,6 +123,7 @@ impl TrainingRun {
         if !config_path.exists() {
             return Err(TroupeError::Checkpoint { path: run_dir.to_path_buf(), message: format!("no {CONFIG_FILE}: not a run directory") });
         }
+        let lock = RunLock::acquire(run_dir)?;
         for raw in overrides {
             let key = raw.split('=').next().unwrap_or("").trim();
             if !matches!(key, "run.iterations" | "run.checkpoint_every" | "run.log_every") {
@@ -102,16 +135,23 @@ impl TrainingRun {
             }
         }
         let mut config = TrainConfig::from_yaml_file(&config_path, overrides)?;
+        super::config_guard::check_resume(&config, run_dir)?;
         // The run lives where it is now, even if it was moved since it started.
         config.run.out_dir = run_dir.to_path_buf();
         clean_staging(run_dir)?;
-        let (_, dir) = latest_checkpoint(run_dir)?.ok_or_else(|| TroupeError::Checkpoint {
-            path: run_dir.join(super::checkpoint::CHECKPOINTS_DIR),
-            message: "no complete checkpoint to resume from".into(),
-        })?;
         let model = load_model(&config, device)?;
-        let mut manager = fresh_adapters(&config, &model, device)?;
-        let checkpoint = load_checkpoint(&dir, &mut manager, device)?;
+        if latest_checkpoint(run_dir)?.is_none() {
+            // Cut off before its first checkpoint was whole (a kill, a full disk): nothing was
+            // trained yet, so the run starts again from its saved config.
+            tracing::warn!(
+                "{} has no complete checkpoint (the run stopped while writing its first); starting it again from iteration 0",
+                run_dir.display()
+            );
+            super::preflight::check_against_model(&config, &config_path, &model, &registry)?;
+            return Self::begin(config, run_dir.to_path_buf(), model, registry, lock);
+        }
+        let mut manager = fresh_adapters(&config, &model)?;
+        let (checkpoint, dir) = load_newest_readable(run_dir, &mut manager, device)?;
         let mut trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
         trainer.iteration = checkpoint.iteration;
         trainer.rng = checkpoint.rng;
@@ -121,7 +161,14 @@ impl TrainingRun {
         }
         truncate_to(run_dir, checkpoint.iteration)?;
         let metrics = MetricsWriter::open(run_dir)?;
-        Ok(Self { run_dir: run_dir.to_path_buf(), config, trainer, last_checkpoint: (checkpoint.iteration, dir), metrics })
+        Ok(Self {
+            run_dir: run_dir.to_path_buf(),
+            config,
+            trainer,
+            last_checkpoint: (checkpoint.iteration, dir),
+            metrics,
+            _lock: lock,
+        })
     }
 
     /// Iterations done.
@@ -187,4 +234,72 @@ impl TrainingRun {
         self.last_checkpoint = (t.iteration, dir.clone());
         Ok(dir)
     }
+}
+
+/// Refuses `run_dir` when it holds a run already (pointing at `--resume`) or anything else but
+/// a lock file (a directory troupe did not make is not troupe's to fill).
+fn check_fresh_dir(run_dir: &Path) -> Result<()> {
+    if run_dir.join(CONFIG_FILE).exists() || latest_checkpoint(run_dir)?.is_some() {
+        return Err(TroupeError::Checkpoint {
+            path: run_dir.to_path_buf(),
+            message: format!(
+                "already holds a run; continue it with `troupe train --resume {}` or choose another run.out_dir",
+                run_dir.display()
+            ),
+        });
+    }
+    if run_dir.exists() && !run_dir.is_dir() {
+        return Err(TroupeError::Checkpoint { path: run_dir.to_path_buf(), message: "run.out_dir is a file, not a directory".into() });
+    }
+    if let Ok(entries) = std::fs::read_dir(run_dir) {
+        let others: Vec<String> = entries
+            .filter_map(|entry| entry.ok())
+            .map(|entry| entry.file_name().to_string_lossy().into_owned())
+            .filter(|name| name != LOCK_FILE)
+            .collect();
+        if !others.is_empty() {
+            return Err(TroupeError::Checkpoint {
+                path: run_dir.to_path_buf(),
+                message: format!(
+                    "exists and is not a run directory (it holds {}{}); choose an empty or new run.out_dir",
+                    others.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
+                    if others.len() > 3 { ", ..." } else { "" }
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Loads the newest checkpoint that reads whole. One that does not is renamed
+/// `corrupt-iteration-N` (kept for inspection, never tried again) and the one before it is
+/// used, with a warning naming both.
+fn load_newest_readable(
+    run_dir: &Path,
+    manager: &mut MultiAdapterManager,
+    device: &burn::tensor::Device,
+) -> Result<(super::checkpoint::Checkpoint, PathBuf)> {
+    let mut failures: Vec<String> = Vec::new();
+    for (_, dir) in list_checkpoints(run_dir)?.into_iter().rev() {
+        match load_checkpoint(&dir, manager, device) {
+            Ok(checkpoint) => {
+                if !failures.is_empty() {
+                    tracing::warn!("resuming from {} instead: {}", dir.display(), failures.join("; "));
+                    eprintln!("warning: {}; resuming from {}", failures.join("; "), dir.display());
+                }
+                return Ok((checkpoint, dir));
+            }
+            Err(err) => {
+                let name = dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+                let aside = dir.with_file_name(format!("corrupt-{name}"));
+                let _ = std::fs::remove_dir_all(&aside);
+                std::fs::rename(&dir, &aside).map_err(|e| TroupeError::io(&dir, e))?;
+                failures.push(format!("checkpoint {} is unreadable ({err}); moved to {}", dir.display(), aside.display()));
+            }
+        }
+    }
+    Err(TroupeError::Checkpoint {
+        path: run_dir.join(super::checkpoint::CHECKPOINTS_DIR),
+        message: format!("no readable checkpoint to resume from: {}", failures.join("; ")),
+    })
 }

@@ -87,6 +87,7 @@ pub fn check(
         .map(|(problem, _, program)| Submission {
             problem,
             program: program.clone(),
+            helper_program: None,
             with_preamble: false,
             helper: None,
             assert_timeout_s,

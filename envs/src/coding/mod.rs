@@ -92,10 +92,8 @@ impl TurnRecord {
             None => format!("the code was not run: it needs a function `{helper}` from the helper agent and `{entry}` from the main agent"),
             Some(evaluation) => {
                 let mut text = evaluation.feedback();
-                if let Some(analysis) = &evaluation.analysis {
-                    if !analysis.helper_called {
-                        text.push_str(&format!("; `{entry}` does not call `{helper}`"));
-                    }
+                if evaluation.parsed && evaluation.helper_calls == 0 {
+                    text.push_str(&format!("; `{entry}` does not call `{helper}` while the tests run"));
                 }
                 text
             }
@@ -182,9 +180,12 @@ impl CodingEnv {
         let helper = self.params.helper_name.as_str();
         let structure = reward::structure_ok(helper_code, main_code, helper, &problem.entry_point);
         let evaluation = if structure {
+            // Each agent's code in its own process: main's calls of the helper cross the judge,
+            // which counts them (see `evaluate`).
             let submission = Submission {
                 problem,
-                program: format!("{}\n\n\n{}\n", helper_code.trim_end(), main_code.trim_end()),
+                program: format!("{}\n", main_code.trim_end()),
+                helper_program: Some(format!("{}\n", helper_code.trim_end())),
                 with_preamble: true,
                 helper: Some(helper),
                 assert_timeout_s: self.params.assert_timeout_ms as f64 / 1000.0,
@@ -375,7 +376,13 @@ impl Environment for CodingEnv {
             self.turns.iter().filter_map(|t| t.evaluation.as_ref()).map(|e| e.seconds).sum(),
         );
         metrics.insert("sandbox_errors".to_string(), self.sandbox_errors as f64);
-        evaluation.and_then(|e| e.analysis.clone()).unwrap_or_default().add_metrics(&mut metrics);
+        let mut analysis = evaluation.and_then(|e| e.analysis.clone()).unwrap_or_default();
+        // What counts is what ran: schemes of a helper that was never called are not schemes.
+        analysis.helper_called = evaluation.is_some_and(|e| e.helper_calls > 0);
+        if !analysis.helper_called {
+            analysis.schemes = Default::default();
+        }
+        analysis.add_metrics(&mut metrics);
         metrics
     }
 

@@ -111,5 +111,9 @@ pub fn shipped_problems() -> Vec<Problem> {
 
 /// Reads solutions (`task_id`, `completion`) from a `.jsonl` or `.jsonl.gz` file.
 pub fn load_solutions(path: &Path) -> Result<Vec<Solution>, EnvError> {
-    parse_jsonl(open_text(path)?, &path.display().to_string())
+    let solutions: Vec<Solution> = parse_jsonl(open_text(path)?, &path.display().to_string())?;
+    if solutions.is_empty() {
+        return Err(data_error(path, "no solutions in the file".to_string()));
+    }
+    Ok(solutions)
 }

@@ -16,7 +16,7 @@ pub struct LevelWeights {
     pub syntax: f64,
     /// Scaled by the fraction of the problem's asserts that pass.
     pub tests: f64,
-    /// Main really calls the helper.
+    /// Main really calls the helper (while the tests run, as the judge observes).
     pub cooperation: f64,
 }
 
@@ -84,7 +84,9 @@ pub fn score(
     if evaluation.asserts_passed > 0 {
         scores.level = 3;
     }
-    let called = evaluation.analysis.as_ref().is_some_and(|analysis| analysis.helper_called);
+    // Observed by the judge while the tests ran, not read from the source: a call in dead code
+    // earns nothing.
+    let called = evaluation.helper_calls > 0;
     if called && (!cooperation_needs_passing_test || evaluation.asserts_passed > 0) {
         scores.cooperation = weights.cooperation;
         scores.level = 4;
@@ -110,6 +112,7 @@ mod tests {
             asserts_passed: passed,
             asserts_total: total,
             analysis: parsed.then(|| Analysis { helper_called: called, ..Analysis::default() }),
+            helper_calls: u64::from(called),
             output: String::new(),
             seconds: 0.0,
         }

@@ -1,5 +1,5 @@
 //! Cooperation schemes: how the main function uses the helper, found by parsing the code
-//! with Python's own `ast` module inside the sandbox (see `harness.py`), never by matching
+//! with Python's own `ast` module by the judge inside the sandbox (see `judge.py`), never by matching
 //! text.
 //!
 //! - **fallback**: a helper call inside a `try` (its body, handlers or `else`);

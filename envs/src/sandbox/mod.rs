@@ -10,17 +10,28 @@
 //! running. Which protections the running system grants is found once, when the sandbox is
 //! built, and logged (`tracing`, target `troupe_envs::sandbox`); see [`Protections`].
 //!
-//! The code's results travel on a private channel, file descriptor 3, separate from its
-//! stdout/stderr. The sandbox protects the machine and the trainer; it does not stop code that
-//! deliberately writes fake results to that channel from inside the same interpreter.
+//! Generated code never runs with a privileged identity: where the trainer is root, it runs
+//! as `nobody` (uid and gid 65534, no capabilities), with the interpreter made reachable
+//! through a private mount namespace when it lives under a root-only directory (see
+//! [`expose`]); only an explicit `run_as_root: true` lets root's identity through, where
+//! nothing else works. The seccomp layer also refuses every change of file metadata (mode,
+//! owner, timestamps, extended attributes) and every new socket (so no connecting to a
+//! host's unix sockets).
+//!
+//! A single run ([`Sandbox::run`]) reports on a private channel, file descriptor 3. A linked
+//! run ([`Sandbox::run_linked`]) starts a judge and the parties it talks to, each its own
+//! sandboxed process, connected only by pipes, so that untrusted code (a party) cannot reach
+//! what the judge reports: the coding task's verdicts are made that way.
 
 mod confine;
+mod expose;
 mod landlock;
 mod seccomp;
+mod watch;
 
 use std::ffi::OsString;
 use std::fmt;
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
@@ -33,6 +44,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::SandboxError;
 use confine::{Namespaces, Plan, Rlimits};
+use expose::Exposure;
+use watch::{Member, Watch};
 
 /// Limits and switches of the sandbox. Every field has a default; configs set them under
 /// `sandbox:` in the coding environment's parameters.
@@ -71,6 +84,10 @@ pub struct SandboxConfig {
     pub seccomp: bool,
     /// Where the per-evaluation temporary directories go (default: the system temp dir).
     pub work_dir: Option<PathBuf>,
+    /// Where the trainer is root and no unprivileged user can run the interpreter, run the
+    /// code as root (in a user namespace where one can be made) instead of refusing to start.
+    /// Off by default: root's identity then owns every root-owned file the code can name.
+    pub run_as_root: bool,
 }
 
 impl Default for SandboxConfig {
@@ -91,6 +108,7 @@ impl Default for SandboxConfig {
             landlock: true,
             seccomp: true,
             work_dir: None,
+            run_as_root: false,
         }
     }
 }
@@ -112,9 +130,14 @@ pub struct Protections {
     pub landlock_scoped: bool,
     /// The seccomp filter is installed.
     pub seccomp: bool,
-    /// The unprivileged user id the code runs as, when the trainer is root and the interpreter
-    /// is reachable by that user (None: the trainer's own user).
+    /// The unprivileged user id the code is switched to (None: it keeps the trainer's).
     pub uid: Option<u32>,
+    /// Exactly which identity the code runs as, in words (`uid 65534 gid 65534 (nobody), no
+    /// capabilities`, ...).
+    pub identity: String,
+    /// Directories made visible to that user through a private mount namespace (the
+    /// interpreter's, under a directory it could not enter otherwise).
+    pub exposed: Vec<PathBuf>,
 }
 
 impl Protections {
@@ -139,12 +162,14 @@ impl fmt::Display for Protections {
                 ),
                 None => "off".to_string(),
             },
-            if self.seccomp { "on (sockets, signals, processes, ptrace)" } else { "off" },
+            if self.seccomp { "on (sockets, file metadata, signals, processes, ptrace)" } else { "off" },
         )?;
-        match self.uid {
-            Some(uid) => write!(f, "; runs as uid {uid}"),
-            None => write!(f, "; runs as the trainer's user"),
+        write!(f, "; runs as {}", self.identity)?;
+        if !self.exposed.is_empty() {
+            let shown: Vec<String> = self.exposed.iter().map(|p| p.display().to_string()).collect();
+            write!(f, "; interpreter shown read-only in a private mount namespace: {}", shown.join(", "))?;
         }
+        Ok(())
     }
 }
 
@@ -155,6 +180,40 @@ pub struct Job {
     pub script: String,
     /// Files written into the evaluation's directory before it starts (name, content).
     pub files: Vec<(String, Vec<u8>)>,
+    /// What the process reads on its standard input (empty: nothing, end of file at once).
+    /// Unlike files and the script, invisible to other processes of the same user.
+    pub stdin: Vec<u8>,
+}
+
+impl Job {
+    /// A job that runs `script` and nothing else.
+    pub fn script(script: impl Into<String>) -> Self {
+        Self { script: script.into(), ..Self::default() }
+    }
+}
+
+/// A judge and the parties it talks to, each run as its own sandboxed process (own
+/// directory, process group, Landlock domain and seccomp filter), started together.
+///
+/// The judge's file descriptor 3 is its results channel (read by the sandbox); for party `i`
+/// it writes requests on descriptor `4 + 2i` and reads replies on `5 + 2i`. Each party reads
+/// requests on its descriptor 3 and writes replies on 4. Nothing else connects them. When
+/// the judge exits, the parties are killed.
+#[derive(Clone, Debug, Default)]
+pub struct LinkedJob {
+    /// The process whose channel is the result.
+    pub judge: Job,
+    /// The processes that answer the judge's requests.
+    pub parties: Vec<Job>,
+}
+
+/// What a linked run produced.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LinkedOutput {
+    /// The judge's run: its end, its own output, and its results channel.
+    pub judge: RunOutput,
+    /// Each party's run (its channel is always empty).
+    pub parties: Vec<RunOutput>,
 }
 
 /// How the process ended.
@@ -188,8 +247,6 @@ pub struct RunOutput {
     /// Wall-clock time from spawn to the end of the process.
     pub wall_time: Duration,
 }
-
-const CHANNEL_LIMIT: usize = 1 << 20;
 
 /// A counting semaphore bounding concurrent evaluations.
 #[derive(Debug)]
@@ -233,6 +290,7 @@ struct Inner {
     protections: Protections,
     namespaces: Namespaces,
     drop_to: Option<u32>,
+    exposures: Vec<Exposure>,
     read_paths: Vec<PathBuf>,
     slots: Slots,
     parallel: usize,
@@ -317,8 +375,10 @@ impl Sandbox {
         };
         let landlock_abi = if config.landlock { landlock::abi_version() } else { 0 };
         // SAFETY: geteuid has no preconditions.
-        let root = unsafe { libc::geteuid() } == 0;
-        let mut candidates: Vec<(Namespaces, Option<u32>, u32, bool)> = Vec::new();
+        let euid = unsafe { libc::geteuid() };
+        let root = euid == 0;
+        let work_root = config.work_dir.clone().unwrap_or_else(std::env::temp_dir);
+        let exposures = if root { expose::plan(&read_paths, NOBODY, NOBODY, &work_root) } else { Vec::new() };
         let namespace_options: &[Namespaces] = if config.network_namespace {
             &[Namespaces::UserAndNetwork, Namespaces::Network, Namespaces::None]
         } else {
@@ -326,22 +386,45 @@ impl Sandbox {
         };
         let seccomp_options: &[bool] = if config.seccomp && seccomp::SUPPORTED { &[true, false] } else { &[false] };
         let landlock_options: Vec<u32> = if landlock_abi > 0 { vec![landlock_abi, 0] } else { vec![0] };
+        // (namespaces, switch to nobody, landlock ABI, seccomp). Root runs the code as `nobody`
+        // (a network namespace needs no user namespace then); the trainer's own identity is
+        // tried only for a normal user, or for root when explicitly allowed.
+        let mut candidates: Vec<(Namespaces, Option<u32>, u32, bool)> = Vec::new();
         for &abi in &landlock_options {
             for &use_seccomp in seccomp_options {
                 if root {
-                    // Root first tries to run the code as `nobody` (a network namespace needs no
-                    // user namespace then): only then do process limits bind.
-                    let namespaces = if config.network_namespace { Namespaces::Network } else { Namespaces::None };
-                    candidates.push((namespaces, Some(NOBODY), abi, use_seccomp));
+                    // Without a network namespace too (a container may refuse new namespaces;
+                    // Landlock and seccomp still cut the network).
+                    if config.network_namespace {
+                        candidates.push((Namespaces::Network, Some(NOBODY), abi, use_seccomp));
+                    }
+                    candidates.push((Namespaces::None, Some(NOBODY), abi, use_seccomp));
                 }
-                for &namespaces in namespace_options {
-                    candidates.push((namespaces, None, abi, use_seccomp));
+                if !root || config.run_as_root {
+                    for &namespaces in namespace_options {
+                        candidates.push((namespaces, None, abi, use_seccomp));
+                    }
                 }
             }
         }
         let mut last_error = String::new();
+        let mut unprivileged_error = String::new();
         for (namespaces, drop_to, abi, use_seccomp) in candidates {
             let coverage = landlock::LandlockCoverage::for_abi(abi);
+            let identity = match (drop_to, root) {
+                (Some(id), _) => format!("uid {id} gid {id} (nobody), no supplementary groups, no capabilities"),
+                (None, false) => format!(
+                    "uid {euid} gid {} (the trainer's own unprivileged user){}",
+                    // SAFETY: getegid has no preconditions.
+                    unsafe { libc::getegid() },
+                    if namespaces == Namespaces::UserAndNetwork { ", in a user namespace" } else { "" }
+                ),
+                (None, true) => format!(
+                    "ROOT (uid 0{}), allowed by sandbox.run_as_root",
+                    if namespaces == Namespaces::UserAndNetwork { ", in an unmapped user namespace" } else { "" }
+                ),
+            };
+            let used_exposures = if drop_to.is_some() { exposures.clone() } else { Vec::new() };
             let protections = Protections {
                 python: python.clone(),
                 python_version: version.clone(),
@@ -356,6 +439,8 @@ impl Sandbox {
                 landlock_scoped: abi > 0 && coverage.scoped,
                 seccomp: use_seccomp,
                 uid: drop_to,
+                identity,
+                exposed: used_exposures.iter().flat_map(|e| e.shown.iter().cloned()).collect(),
             };
             let sandbox = Self {
                 inner: Arc::new(Inner {
@@ -363,12 +448,13 @@ impl Sandbox {
                     protections,
                     namespaces,
                     drop_to,
+                    exposures: used_exposures,
                     read_paths: read_paths.clone(),
                     slots: Slots { free: Mutex::new(parallel), freed: Condvar::new() },
                     parallel,
                 }),
             };
-            let probe = Job { script: "print('ok')".to_string(), files: Vec::new() };
+            let probe = Job::script("print('ok')");
             // A generous limit: a loaded machine must not be mistaken for a refused protection.
             match sandbox.run_within(&probe, config.timeout_ms.max(PROBE_TIMEOUT_MS)) {
                 Ok(output) if output.termination == Termination::Exited(0) && output.output.trim() == "ok" => {
@@ -381,6 +467,13 @@ impl Sandbox {
                                 python.display()
                             ),
                         });
+                    }
+                    if root && drop_to.is_none() {
+                        tracing::warn!(
+                            target: "troupe_envs::sandbox",
+                            "generated code runs as ROOT (sandbox.run_as_root): nobody could run {} ({unprivileged_error})",
+                            python.display()
+                        );
                     }
                     tracing::info!(
                         target: "troupe_envs::sandbox",
@@ -412,10 +505,25 @@ impl Sandbox {
                 Ok(output) => last_error = format!("{:?}: {}", output.termination, output.output.trim()),
                 Err(err) => last_error = err.to_string(),
             }
+            if drop_to.is_some() {
+                unprivileged_error = last_error.clone();
+            }
             tracing::debug!(
                 target: "troupe_envs::sandbox",
                 "protection set {namespaces:?}/uid {drop_to:?}/landlock {abi}/seccomp {use_seccomp} refused: {last_error}"
             );
+        }
+        if root && !config.run_as_root {
+            return Err(SandboxError::BadConfig {
+                field: "run_as_root".to_string(),
+                message: format!(
+                    "the trainer runs as root and the unprivileged user nobody (uid {NOBODY}) cannot run {} ({}); \
+                     generated code is never given root's identity unless you set sandbox.run_as_root: true. Use an \
+                     interpreter that others may read (e.g. python: /usr/bin/python3) or run as a normal user",
+                    python.display(),
+                    unprivileged_error.lines().last().unwrap_or("").trim()
+                ),
+            });
         }
         Err(SandboxError::Interpreter {
             python: python.display().to_string(),
@@ -483,6 +591,59 @@ impl Sandbox {
 
     fn run_within(&self, job: &Job, timeout_ms: u64) -> Result<RunOutput, SandboxError> {
         let _slot = self.inner.slots.acquire();
+        let (channel_read, channel_write) = pipe().map_err(io_err("create the results pipe"))?;
+        let started = Instant::now();
+        let process = self.spawn(job, vec![(channel_write, 3)])?;
+        let member = Member::new(process.pid(), process.output_read, Some(channel_read), process.dir.path().to_path_buf());
+        let config = &self.inner.config;
+        let watch = Watch::new(vec![member], config.output_limit_bytes, config.disk_mb.saturating_mul(MIB));
+        let outcome = watch.run(started + Duration::from_millis(timeout_ms));
+        let children = vec![(process.child, process.dir, process.feeder)];
+        let mut outputs = finish(children, outcome, started)?;
+        Ok(outputs.remove(0))
+    }
+
+    /// Runs a judge and its parties together (see [`LinkedJob`]), as one evaluation: one slot,
+    /// one wall-clock limit for all, every process killed when the judge ends. Errors only when
+    /// the sandbox itself cannot start a process.
+    pub fn run_linked(&self, job: &LinkedJob) -> Result<LinkedOutput, SandboxError> {
+        let _slot = self.inner.slots.acquire();
+        let config = &self.inner.config;
+        let (channel_read, channel_write) = pipe().map_err(io_err("create the results pipe"))?;
+        let mut judge_fds = vec![(channel_write, 3)];
+        let mut party_fds = Vec::new();
+        for (index, _) in job.parties.iter().enumerate() {
+            let (request_read, request_write) = pipe().map_err(io_err("create a request pipe"))?;
+            let (reply_read, reply_write) = pipe().map_err(io_err("create a reply pipe"))?;
+            let base = 4 + 2 * index as i32;
+            judge_fds.push((request_write, base));
+            judge_fds.push((reply_read, base + 1));
+            party_fds.push(vec![(request_read, 3), (reply_write, 4)]);
+        }
+        let started = Instant::now();
+        let mut processes = Vec::with_capacity(1 + job.parties.len());
+        // Parties first: the judge's requests then always find a reader.
+        for (party, fds) in job.parties.iter().zip(party_fds) {
+            processes.push(self.spawn(party, fds)?);
+        }
+        processes.insert(0, self.spawn(&job.judge, judge_fds)?);
+        let mut channel = Some(channel_read);
+        let mut members = Vec::new();
+        let mut children = Vec::new();
+        for process in processes {
+            members.push(Member::new(process.pid(), process.output_read, channel.take(), process.dir.path().to_path_buf()));
+            children.push((process.child, process.dir, process.feeder));
+        }
+        let watch = Watch::new(members, config.output_limit_bytes, config.disk_mb.saturating_mul(MIB));
+        let outcome = watch.run(started + Duration::from_millis(config.timeout_ms));
+        let mut outputs = finish(children, outcome, started)?;
+        let judge = outputs.remove(0);
+        Ok(LinkedOutput { judge, parties: outputs })
+    }
+
+    /// Starts one sandboxed process for `job`, with `fds` placed at the given descriptor numbers
+    /// (the parent's copies are closed once it has started).
+    fn spawn(&self, job: &Job, fds: Vec<(OwnedFd, i32)>) -> Result<Spawned, SandboxError> {
         let config = &self.inner.config;
         let mut builder = tempfile::Builder::new();
         builder.prefix("troupe-sandbox-");
@@ -505,6 +666,8 @@ impl Sandbox {
                     .map_err(io_err("hand a job file to the sandbox user"))?;
             }
         }
+        let mounts = expose::mount_ops(&self.inner.exposures, dir.path())
+            .map_err(io_err("prepare the interpreter's mount namespace"))?;
         if let Some(id) = self.inner.drop_to {
             std::os::unix::fs::chown(dir.path(), Some(id), Some(id))
                 .map_err(io_err("hand the directory to the sandbox user"))?;
@@ -522,15 +685,15 @@ impl Sandbox {
             None => None,
         };
         let (output_read, output_write) = pipe().map_err(io_err("create the output pipe"))?;
-        let (channel_read, channel_write) = pipe().map_err(io_err("create the results pipe"))?;
-        let mib = 1024 * 1024;
+        let (stdin_read, stdin_write) = pipe().map_err(io_err("create the input pipe"))?;
         let mut plan = Plan {
-            channel_fd: channel_write.as_raw_fd(),
+            fd_map: fds.iter().map(|(fd, target)| (fd.as_raw_fd(), *target)).collect(),
             namespaces: self.inner.namespaces,
+            mounts,
             rlimits: Rlimits {
                 cpu_seconds: config.cpu_seconds,
-                address_space: config.memory_mb.saturating_mul(mib),
-                file_size: config.file_size_mb.saturating_mul(mib),
+                address_space: config.memory_mb.saturating_mul(MIB),
+                file_size: config.file_size_mb.saturating_mul(MIB),
                 processes: config.max_processes,
                 open_files: config.max_open_files,
             },
@@ -549,7 +712,7 @@ impl Sandbox {
             .current_dir(dir.path())
             .env_clear()
             .envs(sandbox_env(dir.path()))
-            .stdin(Stdio::null())
+            .stdin(Stdio::from(stdin_read))
             .stdout(Stdio::from(output_write.try_clone().map_err(io_err("duplicate the output pipe"))?))
             .stderr(Stdio::from(output_write))
             .process_group(0);
@@ -557,25 +720,56 @@ impl Sandbox {
         unsafe {
             command.pre_exec(move || plan.apply());
         }
-        let started = Instant::now();
-        let mut child = command.spawn().map_err(io_err("start the interpreter"))?;
-        // The parent must not hold the write ends, or it would never see end-of-file.
+        let child = command.spawn().map_err(io_err("start the interpreter"))?;
+        // The parent must not hold the child's ends, or nobody would ever see end-of-file.
         drop(command);
-        drop(channel_write);
+        drop(fds);
         drop(ruleset);
-        let deadline = started + Duration::from_millis(timeout_ms);
-        let watch = Watch::new(
-            child.id() as libc::pid_t,
-            output_read,
-            channel_read,
-            config.output_limit_bytes,
-            dir.path().to_path_buf(),
-            config.disk_mb.saturating_mul(mib),
-        );
-        let outcome = watch.run(deadline);
-        let status = child.wait().map_err(io_err("wait for the interpreter"))?;
-        let wall_time = started.elapsed();
+        let input = job.stdin.clone();
+        let feeder = std::thread::spawn(move || {
+            // A process that exits without reading its input ends this with EPIPE.
+            let _ = std::fs::File::from(stdin_write).write_all(&input);
+        });
+        Ok(Spawned { child, dir, output_read, feeder })
+    }
+}
+
+const MIB: u64 = 1024 * 1024;
+
+/// A started process, before it is watched.
+struct Spawned {
+    child: std::process::Child,
+    dir: tempfile::TempDir,
+    output_read: OwnedFd,
+    feeder: std::thread::JoinHandle<()>,
+}
+
+impl Spawned {
+    fn pid(&self) -> libc::pid_t {
+        self.child.id() as libc::pid_t
+    }
+}
+
+/// Reaps the watched processes (every group was killed by the watch) and turns what the watch
+/// saw into one [`RunOutput`] per process.
+fn finish(
+    children: Vec<(std::process::Child, tempfile::TempDir, std::thread::JoinHandle<()>)>,
+    outcome: watch::WatchOutcome,
+    started: Instant,
+) -> Result<Vec<RunOutput>, SandboxError> {
+    let mut outputs = Vec::with_capacity(children.len());
+    let mut statuses = Vec::with_capacity(children.len());
+    for (mut child, dir, feeder) in children {
+        // SAFETY: the group id is our unreaped child's pid; a member still alive (a party whose
+        // leader ended the run) dies now.
+        unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGKILL) };
+        statuses.push(child.wait().map_err(io_err("wait for the interpreter"))?);
+        // Its input pipe is closed now, so the feeder has finished or fails with EPIPE.
+        let _ = feeder.join();
         drop(dir);
+    }
+    let wall_time = started.elapsed();
+    for (status, captured) in statuses.into_iter().zip(outcome.captured) {
         let termination = if outcome.timed_out {
             Termination::TimedOut
         } else if outcome.disk_limit {
@@ -585,15 +779,16 @@ impl Sandbox {
         } else {
             Termination::Signaled(status.signal().unwrap_or(0))
         };
-        Ok(RunOutput {
+        outputs.push(RunOutput {
             termination,
-            output: String::from_utf8_lossy(&outcome.output).into_owned(),
-            output_bytes: outcome.output_bytes,
-            output_truncated: outcome.output_bytes > outcome.output.len() as u64,
-            channel: String::from_utf8_lossy(&outcome.channel).into_owned(),
+            output: String::from_utf8_lossy(&captured.output).into_owned(),
+            output_bytes: captured.output_bytes,
+            output_truncated: captured.output_bytes > captured.output.len() as u64,
+            channel: String::from_utf8_lossy(&captured.channel).into_owned(),
             wall_time,
-        })
+        });
     }
+    Ok(outputs)
 }
 
 /// The environment the code sees: nothing inherited, only what Python needs.
@@ -662,189 +857,4 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: pipe2 just returned these descriptors, owned by nobody else.
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
-}
-
-/// Watches one child: drains its pipes, notices its exit, enforces the deadline.
-struct Watch {
-    pid: libc::pid_t,
-    pidfd: Option<OwnedFd>,
-    output_fd: Option<OwnedFd>,
-    channel_fd: Option<OwnedFd>,
-    output_limit: usize,
-    dir: PathBuf,
-    disk_limit: u64,
-}
-
-struct WatchOutcome {
-    output: Vec<u8>,
-    output_bytes: u64,
-    channel: Vec<u8>,
-    timed_out: bool,
-    disk_limit: bool,
-}
-
-impl Watch {
-    fn new(
-        pid: libc::pid_t,
-        output: OwnedFd,
-        channel: OwnedFd,
-        output_limit: usize,
-        dir: PathBuf,
-        disk_limit: u64,
-    ) -> Self {
-        // SAFETY: pidfd_open on our own child's pid (not yet reaped, so it cannot be reused).
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0u32) };
-        // SAFETY: a non-negative result is a fresh descriptor.
-        let pidfd = (raw >= 0).then(|| unsafe { OwnedFd::from_raw_fd(raw as i32) });
-        Self { pid, pidfd, output_fd: Some(output), channel_fd: Some(channel), output_limit, dir, disk_limit }
-    }
-
-    /// Whether the child has exited, without reaping it (so its pid, which is also its
-    /// process group id, stays reserved while we kill the group).
-    fn exited(&self) -> bool {
-        // SAFETY: a zeroed siginfo is a valid out-parameter.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        // SAFETY: waitid on our own child with WNOWAIT leaves it waitable.
-        let rc = unsafe {
-            libc::waitid(libc::P_PID, self.pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOHANG | libc::WNOWAIT)
-        };
-        // SAFETY: si_pid is set by waitid when a child was found.
-        rc == 0 && unsafe { info.si_pid() } != 0
-    }
-
-    fn kill_group(&self) {
-        // SAFETY: the group id is our unreaped child's pid; SIGKILL to the whole group.
-        unsafe { libc::kill(-self.pid, libc::SIGKILL) };
-    }
-
-    fn run(mut self, deadline: Instant) -> WatchOutcome {
-        let mut outcome = WatchOutcome {
-            output: Vec::new(),
-            output_bytes: 0,
-            channel: Vec::new(),
-            timed_out: false,
-            disk_limit: false,
-        };
-        let mut exited_at: Option<Instant> = None;
-        let mut next_disk_check = Instant::now() + DISK_CHECK_INTERVAL;
-        loop {
-            let now = Instant::now();
-            if exited_at.is_none() && now >= next_disk_check {
-                next_disk_check = now + DISK_CHECK_INTERVAL;
-                if !within_disk_allowance(&self.dir, self.disk_limit) {
-                    outcome.disk_limit = true;
-                    self.kill_group();
-                    exited_at = Some(now);
-                    continue;
-                }
-            }
-            if exited_at.is_none() && self.exited() {
-                // Stragglers (children it forked) die with the leader.
-                self.kill_group();
-                exited_at = Some(now);
-            }
-            let pipes_open = self.output_fd.is_some() || self.channel_fd.is_some();
-            if let Some(at) = exited_at {
-                // Give the pipes a moment to drain after the group is gone.
-                if !pipes_open || now >= at + Duration::from_millis(500) {
-                    break;
-                }
-            } else if now >= deadline {
-                outcome.timed_out = true;
-                self.kill_group();
-                exited_at = Some(now);
-                continue;
-            }
-            let mut polls: Vec<libc::pollfd> = Vec::with_capacity(3);
-            for fd in [&self.output_fd, &self.channel_fd].into_iter().flatten() {
-                polls.push(libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-            }
-            if exited_at.is_none() {
-                if let Some(pidfd) = &self.pidfd {
-                    polls.push(libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 });
-                }
-            }
-            let limit = match exited_at {
-                Some(at) => (at + Duration::from_millis(500)).saturating_duration_since(now),
-                None => deadline.saturating_duration_since(now),
-            };
-            // Wake up regularly for the disk check, and without a pidfd to check for the exit.
-            let tick = if self.pidfd.is_none() { Duration::from_millis(10) } else { DISK_CHECK_INTERVAL };
-            let wait = limit.min(tick);
-            let wait_ms = wait.as_millis().clamp(1, i32::MAX as u128) as i32;
-            // SAFETY: `polls` is a valid array of pollfd.
-            let ready = unsafe { libc::poll(polls.as_mut_ptr(), polls.len() as libc::nfds_t, wait_ms) };
-            if ready <= 0 {
-                continue;
-            }
-            for poll in &polls {
-                if poll.revents == 0 {
-                    continue;
-                }
-                if self.output_fd.as_ref().is_some_and(|fd| fd.as_raw_fd() == poll.fd) {
-                    let limit = self.output_limit;
-                    if !drain(&mut self.output_fd, &mut outcome.output, limit, &mut outcome.output_bytes) {
-                        self.output_fd = None;
-                    }
-                } else if self.channel_fd.as_ref().is_some_and(|fd| fd.as_raw_fd() == poll.fd) {
-                    let mut channel_bytes = 0;
-                    if !drain(&mut self.channel_fd, &mut outcome.channel, CHANNEL_LIMIT, &mut channel_bytes) {
-                        self.channel_fd = None;
-                    }
-                }
-            }
-        }
-        outcome
-    }
-}
-
-const DISK_CHECK_INTERVAL: Duration = Duration::from_millis(100);
-/// More entries than this in the evaluation's directory count as over the allowance.
-const MAX_DIR_ENTRIES: usize = 10_000;
-
-/// Whether the disk blocks under `dir` stay within `limit` bytes (symlinks not followed).
-fn within_disk_allowance(dir: &Path, limit: u64) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let mut used = 0u64;
-    let mut entries = 0usize;
-    let mut pending = vec![dir.to_path_buf()];
-    while let Some(current) = pending.pop() {
-        let Ok(listing) = std::fs::read_dir(&current) else { continue };
-        for entry in listing.flatten() {
-            entries += 1;
-            if entries > MAX_DIR_ENTRIES {
-                return false;
-            }
-            let Ok(meta) = entry.path().symlink_metadata() else { continue };
-            used = used.saturating_add(meta.blocks().saturating_mul(512));
-            if used > limit {
-                return false;
-            }
-            if meta.is_dir() {
-                pending.push(entry.path());
-            }
-        }
-    }
-    true
-}
-
-/// Reads what is available from `fd` into `buffer` up to `limit` bytes (dropping the rest).
-/// Returns false at end of file.
-fn drain(fd: &mut Option<OwnedFd>, buffer: &mut Vec<u8>, limit: usize, total: &mut u64) -> bool {
-    let Some(owned) = fd.as_ref() else { return false };
-    let mut chunk = [0u8; 64 * 1024];
-    // SAFETY: `chunk` is a valid writable buffer of the given length.
-    let n = unsafe { libc::read(owned.as_raw_fd(), chunk.as_mut_ptr().cast(), chunk.len()) };
-    if n < 0 {
-        let err = std::io::Error::last_os_error();
-        return err.kind() == std::io::ErrorKind::Interrupted || err.kind() == std::io::ErrorKind::WouldBlock;
-    }
-    if n == 0 {
-        return false;
-    }
-    let n = n as usize;
-    *total += n as u64;
-    let room = limit.saturating_sub(buffer.len());
-    buffer.extend_from_slice(&chunk[..n.min(room)]);
-    true
 }

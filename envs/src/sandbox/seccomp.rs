@@ -1,7 +1,9 @@
-//! A seccomp-BPF filter for sandboxed code: no sockets but unix ones, no signals to processes
-//! outside the sandbox's own process group, no new processes (threads are fine) unless allowed,
-//! no ptrace or cross-process memory access, no leaving the process group, no namespaces,
-//! mounts or io_uring (which would bypass the socket rule).
+//! A seccomp-BPF filter for sandboxed code: no new sockets of any family (so no network and no
+//! connecting to a host's unix sockets; `socketpair` stays), no changes to file metadata (mode,
+//! owner, timestamps, extended attributes), no signals to processes outside the sandbox's own
+//! process group, no new processes (threads are fine) unless allowed, no ptrace or
+//! cross-process memory access, no leaving the process group, no namespaces, mounts or
+//! io_uring (which would bypass the socket rule).
 //!
 //! The program is built in the parent; the child patches its own pid into it (no allocation)
 //! and installs it right before `exec`. Only x86_64 and aarch64 (little-endian) are supported;
@@ -39,7 +41,8 @@ const CLONE_THREAD: u32 = 0x0001_0000;
 /// What the filter allows.
 #[derive(Clone, Copy, Debug)]
 pub struct FilterPolicy {
-    /// Deny `socket()` for every family but `AF_UNIX`.
+    /// Deny `socket()` for every family (network sockets, and unix sockets that could connect
+    /// to a pathname socket of the host; `socketpair` is unaffected).
     pub deny_network: bool,
     /// Allow `fork`/`clone` of new processes (threads are always allowed).
     pub allow_subprocesses: bool,
@@ -61,6 +64,58 @@ fn stmt(code: u16, k: u32) -> libc::sock_filter {
 fn jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
     libc::sock_filter { code, jt, jf, k }
 }
+
+/// Syscalls that change a file's mode, owner, timestamps or extended attributes. Landlock does
+/// not cover them, and a process that owns a file (root's, where the trainer is root) could
+/// otherwise set a setuid bit or make it world-writable.
+#[cfg(target_arch = "x86_64")]
+const METADATA_SYSCALLS: &[libc::c_long] = &[
+    libc::SYS_chmod,
+    libc::SYS_fchmod,
+    libc::SYS_fchmodat,
+    SYS_FCHMODAT2,
+    libc::SYS_chown,
+    libc::SYS_fchown,
+    libc::SYS_lchown,
+    libc::SYS_fchownat,
+    libc::SYS_utime,
+    libc::SYS_utimes,
+    libc::SYS_futimesat,
+    libc::SYS_utimensat,
+    libc::SYS_setxattr,
+    libc::SYS_lsetxattr,
+    libc::SYS_fsetxattr,
+    libc::SYS_removexattr,
+    libc::SYS_lremovexattr,
+    libc::SYS_fremovexattr,
+    SYS_SETXATTRAT,
+    SYS_REMOVEXATTRAT,
+];
+/// As above, for aarch64's generic syscall table (no legacy chmod/chown/utime entries).
+#[cfg(target_arch = "aarch64")]
+const METADATA_SYSCALLS: &[libc::c_long] = &[
+    libc::SYS_fchmod,
+    libc::SYS_fchmodat,
+    SYS_FCHMODAT2,
+    libc::SYS_fchown,
+    libc::SYS_fchownat,
+    libc::SYS_utimensat,
+    libc::SYS_setxattr,
+    libc::SYS_lsetxattr,
+    libc::SYS_fsetxattr,
+    libc::SYS_removexattr,
+    libc::SYS_lremovexattr,
+    libc::SYS_fremovexattr,
+    SYS_SETXATTRAT,
+    SYS_REMOVEXATTRAT,
+];
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+const METADATA_SYSCALLS: &[libc::c_long] = &[];
+
+/// Syscalls added after the `libc` crate's tables (same number on every architecture).
+const SYS_FCHMODAT2: libc::c_long = 452;
+const SYS_SETXATTRAT: libc::c_long = 463;
+const SYS_REMOVEXATTRAT: libc::c_long = 466;
 
 /// Syscalls refused outright, with the errno they get.
 fn denied_syscalls(policy: FilterPolicy) -> Vec<(libc::c_long, i32)> {
@@ -84,6 +139,7 @@ fn denied_syscalls(policy: FilterPolicy) -> Vec<(libc::c_long, i32)> {
         (libc::SYS_userfaultfd, libc::EPERM),
         (libc::SYS_io_uring_setup, libc::EPERM),
     ];
+    denied.extend(METADATA_SYSCALLS.iter().map(|&nr| (nr, libc::EPERM)));
     if !policy.allow_subprocesses {
         // glibc falls back from clone3 to clone on ENOSYS, where the flags can be inspected.
         denied.push((libc::SYS_clone3, libc::ENOSYS));
@@ -124,16 +180,9 @@ impl Filter {
             block(&mut program, nr, vec![stmt(BPF_RET_K, RET_ERRNO | errno as u32)]);
         }
         if policy.deny_network {
-            block(
-                &mut program,
-                libc::SYS_socket,
-                vec![
-                    stmt(BPF_LD_W_ABS, OFFSET_ARG0),
-                    jump(BPF_JMP_JEQ_K, libc::AF_UNIX as u32, 0, 1),
-                    stmt(BPF_RET_K, RET_ALLOW),
-                    stmt(BPF_RET_K, RET_ERRNO | libc::EACCES as u32),
-                ],
-            );
+            // Every family: a unix socket could connect to a pathname socket of the host, whose
+            // path seccomp cannot see.
+            block(&mut program, libc::SYS_socket, vec![stmt(BPF_RET_K, RET_ERRNO | libc::EACCES as u32)]);
         }
         if !policy.allow_subprocesses {
             block(

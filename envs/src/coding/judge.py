@@ -1,29 +1,50 @@
-# troupe's evaluation harness, run inside the sandbox (python3 -I -S -B -c <this file>).
+# troupe's judge, run in its own sandboxed process after wire.py (python3 -I -S -B -c ...).
 #
-# Reads job.json from the working directory (and deletes it), then:
-#   1. parses the program with `ast` and reports how the main function uses the helper
-#      (cooperation schemes), without running anything;
-#   2. runs the preamble (the problem's prompt without the stub of the function to write),
-#      the program, and the test code;
-#   3. runs the test's `check(candidate)` body statement by statement, so that each assert
-#      passes or fails on its own (a failing one is reported with its line and source).
-# Results go as JSON lines to file descriptor 3; the program's own prints go to stdout/stderr.
+# It alone holds the problem's tests, reads its job on stdin (invisible to other processes),
+# and reports on file descriptor 3, which no other process holds. The generated code runs in
+# separate processes (party.py): the main program answers calls of the function under test on
+# descriptors 4/5, the helper agent's program (when there is one) calls of the helper on 6/7.
+# They send back only plain values (wire.py), so every comparison in the tests is made here,
+# on objects of the exact builtin types, and no object of theirs ever runs code in this one.
+#
+#   1. parse the programs with `ast` and report how main uses the helper (cooperation schemes),
+#      running nothing;
+#   2. wait until the parties have loaded their programs;
+#   3. run the prompt's own definitions (imports, given functions; not the stub) and the test
+#      code here, with the function under test replaced by a proxy that calls the main party;
+#   4. run the test's `check(candidate)` body statement by statement, so that each assert
+#      passes or fails on its own; count the helper calls the main party makes through this
+#      process while the tests run (a call in dead code is never made, so never counted).
 import ast
-import json
-import os
+import builtins
 import signal
 import sys
 
-_channel = os.fdopen(3, "w", buffering=1)
+try:  # Not dumpable: a process of the same user cannot open /proc/<this pid>/fd or mem.
+    import ctypes
+
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+except Exception:
+    pass
+
+_channel = _os.fdopen(3, "w", buffering=1)
 
 
 def report(**event):
-    _channel.write(json.dumps(event) + "\n")
+    _channel.write(_json.dumps(event) + "\n")
     _channel.flush()
 
 
 class AssertTimeout(BaseException):
     pass
+
+
+class PartyGone(Exception):
+    pass
+
+
+class CallTimeout(BaseException):
+    """A party's own time limit stopped a call (unlike AssertTimeout, this process's alarm)."""
 
 
 def _on_alarm(signum, frame):
@@ -74,8 +95,6 @@ def analyze(tree, entry, helper):
     result["defines_entry"] = main is not None
     if main is None or not helper or not result["defines_helper"]:
         return result
-    # The helper's name rebound inside main (a parameter, a local def, an assignment) is not
-    # the helper agent's function.
     if helper in _bound_names(main.args):
         result["helper_shadowed"] = True
     for node, _ in _walk_with_fields(main, []):
@@ -123,7 +142,6 @@ def analyze(tree, entry, helper):
             elif isinstance(ancestor, (ast.If, ast.IfExp)) and field == "test":
                 in_condition = True
             elif isinstance(ancestor, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
-                # The first generator's iterable is evaluated once; everything else repeats.
                 if field in ("elt", "key", "value"):
                     in_loop = True
             elif isinstance(ancestor, ast.comprehension):
@@ -134,8 +152,6 @@ def analyze(tree, entry, helper):
             if isinstance(ancestor, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)) and field == "generators":
                 first_generator = index == 0
         if kind == "reference":
-            # The helper passed as a value: to map/sorted/... it runs per element, to filter
-            # it decides which elements stay.
             parent = chain[-1][0]
             if isinstance(parent, (ast.Call, ast.keyword)):
                 call = parent if isinstance(parent, ast.Call) else (chain[-2][0] if len(chain) > 1 else None)
@@ -168,22 +184,133 @@ def _segment(source, node):
 
 
 def _error_text(error):
-    if isinstance(error, AssertTimeout):
+    if isinstance(error, (AssertTimeout, CallTimeout)):
         return "timed out"
     text = type(error).__name__
     message = str(error)
     return f"{text}: {message}"[:300] if message else text
 
 
+def _raised(name, message):
+    """The exception a party reported, as one of Python's own (never a class it could define)."""
+    if name == "timed out":
+        return CallTimeout()
+    kind = getattr(builtins, name, None) if type(name) is str else None
+    text = str(message)[:300] if type(message) is str else ""
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins":
+        try:
+            return kind(text)
+        except Exception:
+            pass
+    return RuntimeError(f"{str(name)[:60]}: {text}")
+
+
+class State:
+    in_tests = False
+    helper_calls = 0
+
+
+class Party:
+    """A process running generated code: the calls it answers, the helper calls it makes."""
+
+    def __init__(self, read_fd, write_fd, label):
+        self.link = Link(read_fd, write_fd)
+        self.label = label
+        self.next_id = 0
+        self.serves_helper = None
+
+    def wait_ready(self):
+        """None once loaded, else (error type, message)."""
+        while True:
+            message = self._next()
+            kind = message.get("k")
+            if kind == "ready":
+                return None
+            if kind == "load_error":
+                return (str(message.get("type")), str(message.get("message"))[:300])
+            if kind == "helper":
+                self._serve_helper(message)
+
+    def _next(self):
+        try:
+            message = self.link.receive()
+        except NotPlain as error:
+            raise PartyGone(f"the {self.label} sent a malformed message ({error})")
+        except RecursionError:
+            raise PartyGone(f"the {self.label} sent a message nested too deeply")
+        except ValueError as error:
+            raise PartyGone(f"the {self.label} sent a malformed message ({error})")
+        if message is None:
+            raise PartyGone(f"the {self.label} process ended")
+        return message
+
+    def _serve_helper(self, message):
+        helper = self.serves_helper
+        if helper is None:
+            self.link.send({"k": "helper_reply", "ok": False, "type": "NameError", "message": "no helper agent"})
+            return
+        if State.in_tests:
+            State.helper_calls += 1
+        try:
+            value = helper.call(wire_decode(message.get("args")), wire_decode(message.get("kwargs") or {"d": []}))
+            reply = {"k": "helper_reply", "ok": True, "value": wire_encode(value)}
+        except AssertTimeout:
+            raise
+        except CallTimeout:
+            reply = {"k": "helper_reply", "ok": False, "type": "TimeoutError", "message": "the helper timed out"}
+        except BaseException as error:
+            reply = {"k": "helper_reply", "ok": False, "type": type(error).__name__, "message": str(error)[:300]}
+        self.link.send(reply)
+
+    def call(self, args, kwargs):
+        if type(args) is not list or type(kwargs) is not dict:
+            raise TypeError("malformed call")
+        self.next_id += 1
+        ident = self.next_id
+        try:
+            self.link.send({"k": "call", "id": ident, "args": wire_encode(list(args)), "kwargs": wire_encode(dict(kwargs))})
+        except NotPlain as error:
+            raise TypeError(f"the test passes a value the {self.label} cannot receive: {error}")
+        except OSError:
+            raise PartyGone(f"the {self.label} process ended")
+        while True:
+            message = self._next()
+            kind = message.get("k")
+            if kind == "helper":
+                self._serve_helper(message)
+                continue
+            if message.get("id") != ident:
+                continue  # a late answer to a call that timed out
+            if kind == "return":
+                try:
+                    return wire_decode(message.get("value"))
+                except (NotPlain, RecursionError, ValueError, TypeError) as error:
+                    raise TypeError(f"the {self.label} returned no plain value ({error})")
+            if kind == "raise":
+                raise _raised(message.get("type"), message.get("message"))
+            raise PartyGone(f"the {self.label} sent an unknown message")
+
+
+class Candidate:
+    """What the tests call instead of the generated function."""
+
+    def __init__(self, party, name):
+        self._party = party
+        self.__name__ = name
+
+    def __call__(self, *args, **kwargs):
+        return self._party.call(list(args), dict(kwargs))
+
+
 def main():
-    with open("job.json", encoding="utf-8") as handle:
-        job = json.load(handle)
-    os.remove("job.json")
+    job = _json.loads(sys.stdin.read())
     program = job["program"]
+    helper_program = job.get("helper_program")
     entry = job["entry_point"]
     helper = job.get("helper")
+    joint = program if helper_program is None else helper_program.rstrip() + "\n\n\n" + program
     try:
-        tree = ast.parse(program)
+        tree = ast.parse(joint)
     except SyntaxError as error:
         report(event="syntax_error", message=f"{error.msg} (line {error.lineno})")
         report(event="done")
@@ -196,30 +323,36 @@ def main():
     if job.get("analyze_only"):
         report(event="done")
         return
-    # Not "__main__": generated code often has a demo block that reads stdin.
-    scope = {"__name__": "solution", "__builtins__": __builtins__}
+    main_party = Party(5, 4, "candidate")
+    if helper_program is not None:
+        helper_party = Party(7, 6, "helper")
+        try:
+            failure = helper_party.wait_ready()
+        except PartyGone as error:
+            failure = ("", str(error))
+        if failure is None:
+            main_party.serves_helper = helper_party
+    try:
+        failure = main_party.wait_ready()
+    except PartyGone as error:
+        failure = ("", str(error))
+    if failure is not None:
+        if failure[0] == "MemoryError":
+            report(event="memory")
+        report(event="load_error", message=": ".join(part for part in failure if part))
+        report(event="done")
+        return
+    candidate = Candidate(main_party, entry)
+    scope = {"__name__": "judge", "__builtins__": builtins}
     preamble = job.get("preamble") or ""
+    test = job.get("test") or ""
     try:
         if preamble:
             pre_tree = ast.parse(preamble)
             pre_tree.body = [n for n in pre_tree.body if not (isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == entry)]
             exec(compile(pre_tree, "<prompt>", "exec"), scope)
-        exec(compile(tree, "<solution>", "exec"), scope)
-    except MemoryError:
-        report(event="memory")
-        report(event="done")
-        return
-    except BaseException as error:  # the program's own failure, whatever it raises
-        report(event="load_error", message=_error_text(error))
-        report(event="done")
-        return
-    if entry not in scope or not callable(scope[entry]):
-        report(event="load_error", message=f"no function {entry!r} after running the code")
-        report(event="done")
-        return
-    test = job.get("test") or ""
-    test_tree = ast.parse(test)
-    try:
+        scope[entry] = candidate
+        test_tree = ast.parse(test)
         exec(compile(test_tree, "<test>", "exec"), scope)
     except BaseException as error:
         report(event="load_error", message="the test code failed: " + _error_text(error))
@@ -231,7 +364,7 @@ def main():
             check = node
     units = []
     if check is not None and check.args.args:
-        scope[check.args.args[0].arg] = scope[entry]
+        scope[check.args.args[0].arg] = candidate
         try:
             for statement in check.body:
                 has_assert = any(isinstance(n, ast.Assert) for n in ast.walk(statement))
@@ -250,12 +383,14 @@ def main():
     limit = float(job.get("assert_timeout_s") or 0)
     signal.signal(signal.SIGALRM, _on_alarm)
     index = 0
+    State.in_tests = True
     for statement, has_assert, code in units:
         source = _segment(test, statement)
         error = None
         try:
             if limit > 0:
-                signal.setitimer(signal.ITIMER_REAL, limit)
+                # The party stops its own call at the limit; this is the backstop.
+                signal.setitimer(signal.ITIMER_REAL, limit + 0.5)
             exec(code, scope)
         except MemoryError as caught:
             error = caught
@@ -270,6 +405,8 @@ def main():
             index += 1
         elif error is not None:
             report(event="setup_error", line=statement.lineno, source=source, error=_error_text(error))
+    State.in_tests = False
+    report(event="helper_calls", count=State.helper_calls)
     report(event="done")
 
 

@@ -1,0 +1,42 @@
+//! A fingerprint of a base model's weights, recorded with the adapters trained on it
+//! (`troupe.json`'s `base_fingerprint`) so that adapters loaded onto another base with the same
+//! shapes (a different checkpoint, another seed of the built-in model) are not used silently.
+//!
+//! It hashes the architecture's sizes and a fixed sample of the weights (the first rows of the
+//! token embeddings, the first columns of the output head, the final norm), so it costs a few
+//! thousand values whatever the model's size.
+
+use super::transformer::CausalLm;
+
+/// Rows of the embedding matrix (and columns of the output head) hashed.
+const SAMPLED_ROWS: usize = 8;
+
+fn fnv1a(hash: &mut u64, bytes: &[u8]) {
+    for byte in bytes {
+        *hash ^= u64::from(*byte);
+        *hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+}
+
+fn values(tensor: burn::tensor::Tensor<2>) -> Vec<f32> {
+    tensor.to_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default()
+}
+
+/// The fingerprint of `lm`'s weights: `fnv1a64:<16 hex digits>`.
+pub fn base_fingerprint(lm: &CausalLm) -> String {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    let config = &lm.config;
+    for size in [config.vocab_size, config.hidden_size, config.num_hidden_layers, config.intermediate_size] {
+        fnv1a(&mut hash, &(size as u64).to_le_bytes());
+    }
+    let [vocab, hidden] = lm.embed_tokens.dims();
+    let rows = SAMPLED_ROWS.min(vocab);
+    let mut sample = values(lm.embed_tokens.clone().slice([0..rows, 0..hidden]));
+    let [head_in, head_out] = lm.lm_head_t.dims();
+    sample.extend(values(lm.lm_head_t.clone().slice([0..head_in, 0..SAMPLED_ROWS.min(head_out)])));
+    sample.extend(lm.norm.weight.to_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default());
+    for value in sample {
+        fnv1a(&mut hash, &value.to_bits().to_le_bytes());
+    }
+    format!("fnv1a64:{hash:016x}")
+}
