@@ -62,6 +62,7 @@ fn replayable(metrics: &[IterationMetrics]) -> Vec<IterationMetrics> {
     metrics.iter().cloned().map(|mut m| {
         m.seconds = 0.0;
         m.tokens_per_second = 0.0;
+        m.extra.retain(|key, _| !key.starts_with("seconds_") && !key.starts_with("gflop_per_second_"));
         m
     }).collect()
 }

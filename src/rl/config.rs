@@ -258,6 +258,9 @@ pub struct TrainingSection {
     pub lr: f64,
     /// Iterations of linear warmup from 0 to `lr`.
     pub warmup_iterations: usize,
+    /// The learning rate at the last iteration (`run.iterations`) as a fraction of `lr`,
+    /// reached linearly after the warm-up (1: constant).
+    pub lr_final_fraction: f64,
     /// Gradient clipping by global norm per agent (0: off).
     pub max_grad_norm: f64,
     /// AdamW's decoupled weight decay.
@@ -306,6 +309,7 @@ impl Default for TrainingSection {
             groups_per_iteration: 2,
             lr: 1.0e-4,
             warmup_iterations: 0,
+            lr_final_fraction: 1.0,
             max_grad_norm: 1.0,
             weight_decay: 0.0,
             beta1: 0.9,
@@ -556,6 +560,9 @@ impl TrainConfig {
                 return fail(key, format!("{value} is not in [0, 1)"));
             }
         }
+        if !(t.lr_final_fraction.is_finite() && (0.0..=1.0).contains(&t.lr_final_fraction)) {
+            return fail("training.lr_final_fraction", format!("{} is not in [0, 1]", t.lr_final_fraction));
+        }
         if !(0.0..=1.0).contains(&t.gamma) {
             return fail("training.gamma", format!("{} is not in [0, 1]", t.gamma));
         }
@@ -668,6 +675,8 @@ impl TrainConfig {
             rollout: self.rollout_config(),
             adamw: t.adamw(),
             warmup_iterations: t.warmup_iterations as u64,
+            lr_final_fraction: t.lr_final_fraction,
+            total_iterations: self.run.iterations as u64,
             max_grad_norm: t.max_grad_norm,
             normalize_std: t.normalize_std,
             gamma: t.gamma,

@@ -64,6 +64,9 @@ pub struct EvalSummary {
     /// one round of discussion) on the same seeds; absent for other environments.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub protocols: Option<Vec<ProtocolSummary>>,
+    /// Every episode metric the environment reports (`score`, `lives_lost`, `plays`, ...), as
+    /// a mean with its standard error over the episodes.
+    pub metrics: BTreeMap<String, MeanStderr>,
     /// Wall time.
     pub seconds: f64,
 }
@@ -100,6 +103,14 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
         records.extend(run_episodes_with_baselines(model, manager, &mut envs, chunk, &config.agents.seats, &mut baselines, &rollout, &mut rng)?);
     }
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
+    let names: std::collections::BTreeSet<&String> = records.iter().flat_map(|e| e.metrics.keys()).collect();
+    let metrics = names
+        .into_iter()
+        .map(|name| {
+            let values: Vec<f64> = records.iter().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
+            (name.clone(), MeanStderr::of(&values))
+        })
+        .collect();
     // Per agent, the seats it plays itself (a seat given to a baseline is not its).
     let mut agent_seats: BTreeMap<usize, Vec<SeatId>> = BTreeMap::new();
     for (seat, &agent) in config.agents.seats.iter().enumerate() {
@@ -138,6 +149,7 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
         mean_steps: mean_std(&steps).0,
         baseline_seats: config.eval.baseline_seats.clone(),
         protocols,
+        metrics,
         seconds: started.elapsed().as_secs_f64(),
     })
 }

@@ -77,6 +77,14 @@ impl From<&IterationStats> for IterationMetrics {
         for (phase, seconds) in &stats.phase_seconds {
             extra.insert(format!("seconds_{phase}"), *seconds);
         }
+        if let Some(entropy) = stats.choice_entropy {
+            extra.insert("choice_entropy".to_string(), entropy);
+        }
+        for (name, mean) in &stats.env_metrics {
+            if name != "score" {
+                extra.insert(format!("env_{name}"), *mean);
+            }
+        }
         for (phase, flops) in &stats.phase_flops {
             extra.insert(format!("gflop_{phase}"), flops / 1e9);
             if let Some(seconds) = stats.phase_seconds.get(phase).filter(|s| **s > 0.0) {
@@ -290,6 +298,8 @@ mod tests {
             mean_episode_steps: 6.0,
             phase_seconds: [("rollout".to_string(), 1.0), ("update".to_string(), 0.5)].into_iter().collect(),
             phase_flops: [("rollout".to_string(), 4e9)].into_iter().collect(),
+            env_metrics: [("score".to_string(), 3.5), ("plays".to_string(), 2.0)].into_iter().collect(),
+            choice_entropy: Some(1.25),
         };
         let line = IterationMetrics::from(&stats);
         assert_eq!(line.iteration, 4);
@@ -301,6 +311,7 @@ mod tests {
         assert_eq!(line.extra["kl"], 0.125);
         assert_eq!((line.extra["seconds_rollout"], line.extra["seconds_update"]), (1.0, 0.5));
         assert_eq!((line.extra["gflop_rollout"], line.extra["gflop_per_second_rollout"]), (4.0, 4.0));
+        assert_eq!((line.extra["env_plays"], line.extra["choice_entropy"]), (2.0, 1.25));
         let without_kl = IterationMetrics::from(&IterationStats { kl: None, ..stats });
         assert!(!without_kl.extra.contains_key("kl"));
     }

@@ -24,7 +24,7 @@ const FONT: &str = "sans-serif";
 
 /// Size of a single-curve PNG.
 const SINGLE: (u32, u32) = (900, 560);
-/// Size of the four-panel PNG.
+/// Size of the overview PNG (four or six panels).
 const OVERVIEW: (u32, u32) = (1600, 1000);
 
 /// One line of a chart, with an optional band (low, high) around it.
@@ -79,13 +79,37 @@ fn keyed_series<K: Ord + Clone>(
         .collect()
 }
 
-/// The four learning curves of `records`.
+/// The learning curves of `records`: mean return, score (when the environment reports one;
+/// held-out evaluations with their standard error), invalid rate, loss and gradient norms.
 pub fn learning_curves(records: &[IterationMetrics]) -> Vec<Chart> {
     let single = |name: &str, get: fn(&IterationMetrics) -> f64| {
         let points = records.iter().map(|r| (r.iteration as f64, get(r))).collect();
         vec![Series { name: name.to_string(), points, band: vec![] }]
     };
-    vec![
+    let extra = |key: &'static str| move |r: &IterationMetrics| r.extra.get(key).copied();
+    let score = Chart {
+        file_stem: "score",
+        title: "Score: training games and held-out whole games (band: ±1 s.e.)".to_string(),
+        y_label: "score".to_string(),
+        series: [
+            ("training games", extra("score"), None),
+            ("held-out games", extra("eval_score"), Some(extra("eval_score_stderr"))),
+        ]
+        .into_iter()
+        .filter_map(|(name, value, spread)| {
+            let values: Vec<(f64, f64, f64)> = records
+                .iter()
+                .filter_map(|r| value(r).map(|v| (r.iteration as f64, v, spread.as_ref().and_then(|s| s(r)).unwrap_or(0.0))))
+                .collect();
+            (!values.is_empty()).then(|| Series {
+                name: name.to_string(),
+                points: values.iter().map(|&(x, y, _)| (x, y)).collect(),
+                band: values.iter().filter(|v| v.2 > 0.0).map(|&(x, y, e)| (x, y - e, y + e)).collect(),
+            })
+        })
+        .collect(),
+    };
+    let mut charts = vec![
         Chart {
             file_stem: "mean_return",
             title: "Mean return per agent (band: ±1 std)".to_string(),
@@ -120,7 +144,11 @@ pub fn learning_curves(records: &[IterationMetrics]) -> Vec<Chart> {
                 |r, adapter| r.grad_norm.get(adapter).map(|&g| (g, 0.0)),
             ),
         },
-    ]
+    ];
+    if !score.series.is_empty() {
+        charts.insert(1, score);
+    }
+    charts
 }
 
 /// Draws the learning curves of `RUN_DIR/metrics.jsonl` into `RUN_DIR/plots/`; returns the
@@ -150,8 +178,9 @@ pub fn plot_metrics(records: &[IterationMetrics], out_dir: &Path) -> Result<Vec<
         written.push(path);
     }
     let path = out_dir.join("learning_curves.png");
-    write_png_atomic(&path, OVERVIEW, |area| {
-        for (panel, chart) in area.split_evenly((2, 2)).iter().zip(&charts) {
+    let (size, grid) = if charts.len() > 4 { ((OVERVIEW.0 * 3 / 2, OVERVIEW.1), (2, 3)) } else { (OVERVIEW, (2, 2)) };
+    write_png_atomic(&path, size, |area| {
+        for (panel, chart) in area.split_evenly(grid).iter().zip(&charts) {
             draw_chart(panel, chart, 0.9)?;
         }
         Ok(())
@@ -339,6 +368,26 @@ mod tests {
         assert!(charts[3].series[0].band.is_empty());
         assert!(!starts_higher_than_it_ends(&charts[0]), "returns rise");
         assert!(starts_higher_than_it_ends(&charts[1]), "the invalid rate falls");
+    }
+
+    #[test]
+    fn the_score_chart_shows_training_and_held_out_scores() {
+        let mut records: Vec<_> = (1..=4).map(record).collect();
+        for r in &mut records {
+            r.extra.insert("score".into(), r.iteration as f64 * 0.1);
+        }
+        records[1].extra.insert("eval_score".into(), 0.5);
+        records[1].extra.insert("eval_score_stderr".into(), 0.25);
+        records[3].extra.insert("eval_score".into(), 1.5);
+        records[3].extra.insert("eval_score_stderr".into(), 0.0);
+        let charts = learning_curves(&records);
+        let stems: Vec<_> = charts.iter().map(|c| c.file_stem).collect();
+        assert_eq!(stems, ["mean_return", "score", "invalid_rate", "loss", "grad_norm"]);
+        let held_out = &charts[1].series[1];
+        assert_eq!(held_out.name, "held-out games");
+        assert_eq!(held_out.points, vec![(2.0, 0.5), (4.0, 1.5)]);
+        assert_eq!(held_out.band, vec![(2.0, 0.25, 0.75)], "a band where the standard error is known");
+        assert_eq!(charts[1].series[0].points.len(), 4);
     }
 
     #[test]

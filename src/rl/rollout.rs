@@ -116,6 +116,8 @@ pub struct ChoiceTurn {
     pub candidates: Vec<Vec<u32>>,
     /// Index of the action taken.
     pub chosen: usize,
+    /// Entropy (nats) of the policy's distribution over the candidates at this decision.
+    pub entropy: f64,
 }
 
 /// A finished episode.
@@ -486,14 +488,26 @@ fn decide_choice(
     let mut decided = Vec::with_capacity(pending.len());
     for ((list, tokens), likelihoods) in candidates.into_iter().zip(token_lists).zip(scores) {
         let pick = sample_choice(&likelihoods, temperature, rng);
+        let entropy = choice_entropy(&likelihoods, temperature);
         decided.push(Decided {
             action: Some(Action::Id(list[pick].0)),
             completion_ids: tokens[pick].clone(),
             invalid: false,
-            choice: Some(ChoiceTurn { candidates: tokens, chosen: pick }),
+            choice: Some(ChoiceTurn { candidates: tokens, chosen: pick, entropy }),
         });
     }
     Ok(decided)
+}
+
+/// Entropy (nats) of `softmax(scores / temperature)` (0 at temperature 0: the policy is greedy).
+pub fn choice_entropy(scores: &[f32], temperature: f32) -> f64 {
+    if temperature <= 0.0 {
+        return 0.0;
+    }
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let weights: Vec<f64> = scores.iter().map(|&v| f64::from((v - max) / temperature).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    weights.iter().filter(|w| **w > 0.0).map(|w| -(w / total) * (w / total).ln()).sum()
 }
 
 /// Samples an index from `softmax(logliks / temperature)`; the most likely (first on ties) at

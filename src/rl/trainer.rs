@@ -44,6 +44,10 @@ pub struct TrainerSettings {
     pub adamw: AdamWConfig,
     /// Linear warm-up of the learning rate over this many iterations.
     pub warmup_iterations: u64,
+    /// The learning rate at iteration `total_iterations`, as a fraction of the peak.
+    pub lr_final_fraction: f64,
+    /// The run's length, over which the learning rate decays.
+    pub total_iterations: u64,
     /// Per-agent gradient-norm clip (0: none).
     pub max_grad_norm: f64,
     /// Divide advantages by the group std.
@@ -118,6 +122,10 @@ pub struct IterationStats {
     pub phase_seconds: BTreeMap<String, f64>,
     /// Useful floating-point work of the `rollout` and `update` phases ([`super::flops`]).
     pub phase_flops: BTreeMap<String, f64>,
+    /// The mean over episodes of every metric the environment reports.
+    pub env_metrics: BTreeMap<String, f64>,
+    /// In `choice` mode, the policy's mean entropy (nats) over the decisions.
+    pub choice_entropy: Option<f64>,
 }
 
 /// The trainer: a model, the agents' adapters, their optimizer states, the iteration count.
@@ -202,13 +210,19 @@ impl MagrpoTrainer {
         &self.registry
     }
 
-    /// The learning rate of iteration `iteration` (1-based): linear warm-up, then constant.
+    /// The learning rate of iteration `iteration` (1-based): linear warm-up, then linear decay
+    /// to `lr_final_fraction` of the peak at the run's last iteration (constant when 1).
     pub fn learning_rate(&self, iteration: u64) -> f64 {
-        let peak = self.settings.adamw.lr;
-        match self.settings.warmup_iterations {
-            0 => peak,
-            w => peak * (iteration.min(w) as f64 / w as f64),
+        let s = &self.settings;
+        let peak = s.adamw.lr;
+        let w = s.warmup_iterations;
+        if iteration < w {
+            return peak * iteration as f64 / w as f64;
         }
+        // Linear from the peak (at the warm-up's end) to `lr_final_fraction` of it at the end.
+        let span = s.total_iterations.saturating_sub(w.max(1));
+        let progress = if span == 0 { 0.0 } else { (iteration.saturating_sub(w.max(1))) as f64 / span as f64 };
+        peak * (1.0 - (1.0 - s.lr_final_fraction) * progress.min(1.0))
     }
 
     /// Plays the iteration's rollouts: `groups_per_iteration` starts x `group_size` episodes,
@@ -282,10 +296,9 @@ impl MagrpoTrainer {
         let per_agent = |s: &Sample, x: f64| (x / (units_per_agent[&s.agent] as f64 * shared_divisor)) as f32;
         let mut pass = BackwardPass { grads: BTreeMap::new(), flops: 0.0, loss: 0.0, kl_sum: 0.0, kl_tokens: 0, tokens_per_agent: BTreeMap::new() };
         let micro = self.settings.micro_batch_rows.max(1);
-        // A sample with zero advantage adds nothing to the policy gradient (it still counts in
-        // its agent's mean): without a KL term it needs no forward or backward pass.
-        let (choices, replies): (Vec<&Sample>, Vec<&Sample>) =
-            samples.iter().filter(|s| kl_coef > 0.0 || s.advantage != 0.0).partition(|s| s.choice.is_some());
+        // Every sample is scored, even one with zero advantage: its log-probs are what reveal a
+        // diverged (non-finite) adapter before any update.
+        let (choices, replies): (Vec<&Sample>, Vec<&Sample>) = samples.iter().partition(|s| s.choice.is_some());
         // Forward, then a backward of twice its work; the KL reference is one more forward.
         let passes = 3.0 + if kl_coef > 0.0 { 1.0 } else { 0.0 };
         pass.flops = passes * choices.iter().chain(&replies).map(|s| self.sample_flops(s)).sum::<f64>();
@@ -551,6 +564,20 @@ impl MagrpoTrainer {
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
             phase_flops: [("rollout".to_string(), rollout_flops), ("update".to_string(), update_flops)].into_iter().collect(),
+            choice_entropy: {
+                let entropies: Vec<f64> = episodes.iter().flat_map(|e| &e.turns).filter_map(|t| t.choice.as_ref().map(|c| c.entropy)).collect();
+                (!entropies.is_empty()).then(|| mean_std(&entropies).0)
+            },
+            env_metrics: {
+                let names: std::collections::BTreeSet<&String> = episodes.iter().flat_map(|e| e.metrics.keys()).collect();
+                names
+                    .into_iter()
+                    .map(|name| {
+                        let values: Vec<f64> = episodes.iter().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
+                        (name.clone(), mean_std(&values).0)
+                    })
+                    .collect()
+            },
         })
     }
 }
@@ -631,6 +658,8 @@ mod tests {
             },
             adamw: AdamWConfig { lr: 1e-2, ..AdamWConfig::default() },
             warmup_iterations: 2,
+            lr_final_fraction: 1.0,
+            total_iterations: 10,
             max_grad_norm: 1.0,
             normalize_std: true,
             gamma: 1.0,
@@ -657,6 +686,18 @@ mod tests {
         if stats.grad_norm.contains_key("agent_0") {
             assert_ne!(t.manager.adapter(0).unwrap().to_host(), active_before, "the acting agent learned");
         }
+    }
+
+    #[test]
+    fn the_learning_rate_warms_up_then_decays_linearly() {
+        let mut t = trainer(vec![0, 1], 2);
+        t.settings.lr_final_fraction = 0.1;
+        t.settings.total_iterations = 12;
+        let lr: Vec<f64> = (1..=12).map(|i| t.learning_rate(i) / 1e-2).collect();
+        assert!((lr[0] - 0.5).abs() < 1e-12, "warm-up: half the peak at iteration 1 of 2");
+        assert!((lr[1] - 1.0).abs() < 1e-12, "the peak when the warm-up ends");
+        assert!((lr[11] - 0.1).abs() < 1e-12, "the final fraction at the last iteration");
+        assert!((lr[6] - (1.0 - 0.9 * 5.0 / 10.0)).abs() < 1e-12, "linear in between");
     }
 
     #[test]
@@ -698,7 +739,7 @@ mod tests {
             tokens: prompt.clone(),
             prompt_len: prompt.len(),
             advantage,
-            choice: Some(ChoiceTurn { candidates: candidates.clone(), chosen: 0 }),
+            choice: Some(ChoiceTurn { candidates: candidates.clone(), chosen: 0, entropy: 0.0 }),
         };
         let pass = t.backward_samples(&[sample], 0, 0.0).unwrap();
         let got = flat(&pass.grads["agent_0"]);

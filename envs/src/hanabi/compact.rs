@@ -1,7 +1,7 @@
 //! The compact text form of a Hanabi observation, for small models: the same information as
 //! [`super::observation`] (fireworks, tokens, deck, discards, one's own cards as hint knowledge,
-//! the others' cards and what they know, the latest moves, the legal actions) in about a fifth of
-//! the tokens, with each legal action written together with what the actor knows of it.
+//! the others' cards and what they know, the latest moves, the legal actions) in a quarter to a sixth
+//! of the tokens, with each legal action written together with what the actor knows of it.
 //!
 //! ```text
 //! Hanabi 2p. You are P0. Your turn.

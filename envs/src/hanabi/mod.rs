@@ -282,6 +282,21 @@ impl Environment for HanabiEnv {
         m.insert("moves".into(), s.player_moves() as f64);
         m.insert("deck_exhausted".into(), if s.deck_size() == 0 { 1.0 } else { 0.0 });
         m.insert("perfect".into(), if s.score() == self.config.max_score() { 1.0 } else { 0.0 });
+        // What the players did: plays that scored, misplays, discards and hints.
+        let (mut plays, mut misplays, mut discards, mut hints) = (0.0, 0.0, 0.0, 0.0);
+        for event in s.events() {
+            match event {
+                Event::Move { mv: Move::Play { .. }, scored: true, .. } => plays += 1.0,
+                Event::Move { mv: Move::Play { .. }, .. } => misplays += 1.0,
+                Event::Move { mv: Move::Discard { .. }, .. } => discards += 1.0,
+                Event::Move { .. } => hints += 1.0,
+                Event::Deal { .. } => {}
+            }
+        }
+        m.insert("plays".into(), plays);
+        m.insert("misplays".into(), misplays);
+        m.insert("discards".into(), discards);
+        m.insert("hints".into(), hints);
         m
     }
 
