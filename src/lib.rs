@@ -15,3 +15,6 @@ pub mod model;
 pub mod rl;
 
 pub use error::{Result, TroupeError};
+
+/// The environments crate, re-exported so a plug-in crate needs only `troupe` as a dependency.
+pub use troupe_envs;

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use troupe_envs::policy::{policy_by_name, RandomPolicy};
+use troupe_envs::policy::RandomPolicy;
 use troupe_envs::runner::bench;
 use troupe_envs::{
     parse_params, Action, ActionError, EnvError, Environment, EpisodeMetrics, LegalAction, Registry, SeatId,
@@ -129,7 +129,7 @@ fn main() -> Result<(), EnvError> {
         serde_json::to_string(&report).map_err(|e| EnvError::Data { path: "-".into(), message: e.to_string() })?
     );
     // The built-in baseline policies work on plug-ins; the Hanabi rule player says it cannot.
-    let mut rule = policy_by_name("rule")?;
+    let mut rule = registry.make_policy("rule")?;
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     println!("rule policy: {}", rule.act(env.as_ref(), 0, &mut rng).err().map(|e| e.to_string()).unwrap_or_default());
     let err = registry.make_from_spec(&json!({"name": "sum_game", "maximum": 4})).err().expect("unknown field");

@@ -41,6 +41,10 @@ pub enum ActionError {
     /// The episode is over.
     #[error("the episode is over")]
     EpisodeOver,
+    /// The environment itself failed (an external process crashed, hung or broke the protocol):
+    /// not the agent's fault, and no episode can go on.
+    #[error("{0}")]
+    Failed(String),
 }
 
 /// Errors building an environment from its name and parameters.
@@ -88,6 +92,14 @@ pub enum EnvError {
         /// The environment's name.
         env: String,
         /// Why it cannot act.
+        message: String,
+    },
+    /// An external environment process failed to start, crashed, hung or broke the protocol.
+    #[error("external environment {command}: {message}")]
+    External {
+        /// The process's command line.
+        command: String,
+        /// What went wrong, with the offending message and the end of its stderr where known.
         message: String,
     },
     /// An environment refused an action while running an episode.

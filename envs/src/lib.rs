@@ -4,13 +4,16 @@
 //! - [`Registry`]: names -> constructors with typed parameters; plug-ins register the same way.
 //! - [`hanabi`] (DeepMind HLE's rules) and [`bridge`] (OpenSpiel's rules): games with exact rules,
 //!   text observations and tolerant reply parsing.
+//! - [`external`]: environments in any language, over JSON lines; [`batch`]: many episodes at once.
 //! - [`policy`]: baseline policies; [`runner`]: episodes, benchmarks and interactive play for any
 //!   environment; [`records`]: JSONL game records, written and replayed move by move.
 
+pub mod batch;
 pub mod bridge;
 pub mod coding;
 pub mod environment;
 pub mod error;
+pub mod external;
 pub mod hanabi;
 pub mod policy;
 pub mod records;
@@ -25,7 +28,7 @@ pub use environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
 pub use error::{ActionError, EnvError, SandboxError};
 pub use registry::{parse_params, Registry};
 
-/// Registers every environment this crate ships into `registry`.
+/// Registers every environment and baseline policy this crate ships into `registry`.
 pub fn register_builtins(registry: &mut Registry) {
     registry.register("hanabi", "Hanabi with DeepMind HLE's exact rules, 2-5 players (variants full, small, very_small)", |p| {
         Ok(Box::new(hanabi::HanabiEnv::from_params(p)?))
@@ -35,4 +38,6 @@ pub fn register_builtins(registry: &mut Registry) {
     });
     coding::CodingEnv::register(registry);
     writing::WritingEnv::register(registry);
+    external::register(registry);
+    policy::register_builtin_policies(registry);
 }

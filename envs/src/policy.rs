@@ -18,18 +18,14 @@ pub trait Policy: Send {
     fn act(&mut self, env: &dyn Environment, seat: SeatId, rng: &mut ChaCha8Rng) -> Result<Action, EnvError>;
 }
 
-/// The names [`policy_by_name`] knows.
-pub const POLICY_NAMES: [&str; 3] = ["random", "rule", "canonical"];
-
-/// Builds a baseline policy by name: `random`, `rule` (the rule-based Hanabi player), or
-/// `canonical` (the coding problems' reference code, [`crate::coding::CanonicalPolicy`]).
-pub fn policy_by_name(name: &str) -> Result<Box<dyn Policy>, EnvError> {
-    match name.trim().to_ascii_lowercase().as_str() {
-        "random" => Ok(Box::new(RandomPolicy)),
-        "rule" | "rules" | "rule-based" | "rule_based" => Ok(Box::new(HanabiRulePolicy)),
-        "canonical" => Ok(Box::new(crate::coding::CanonicalPolicy)),
-        _ => Err(EnvError::UnknownPolicy { name: name.to_string(), known: POLICY_NAMES.join(", ") }),
-    }
+/// Registers the built-in baseline policies: `random` (any game), `rule` (the rule-based Hanabi
+/// player) and `canonical` (the coding problems' reference code, [`crate::coding::CanonicalPolicy`]).
+pub fn register_builtin_policies(registry: &mut crate::registry::Registry) {
+    registry.register_policy("random", "uniformly random legal moves (an empty reply in text tasks)", || Box::new(RandomPolicy));
+    registry.register_policy("rule", "a rule-based Hanabi player (plays hinted cards, hints playable ones)", || {
+        Box::new(HanabiRulePolicy)
+    });
+    registry.register_policy("canonical", "the coding problems' reference solutions", || Box::new(crate::coding::CanonicalPolicy));
 }
 
 /// Picks uniformly among the legal actions. In open-ended text environments (no finite action

@@ -1,6 +1,8 @@
-//! The environment registry: maps names to constructors taking typed parameters, so a config
-//! says `env: {name: hanabi, players: 3}` and a crate outside the workspace registers its own
-//! environment the same way as the built-in ones.
+//! The registry: environment names -> constructors taking typed parameters, and baseline policy
+//! names -> constructors, so a config says `env: {name: hanabi, players: 3}` or
+//! `baseline_seats: {1: rule}` and a crate outside the workspace registers its own environments
+//! and policies the same way as the built-in ones. One registry is built by the binary and handed
+//! to every library entry point.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -10,6 +12,7 @@ use serde_json::Value;
 
 use crate::environment::Environment;
 use crate::error::EnvError;
+use crate::policy::Policy;
 
 /// Builds an environment from its parameters (a JSON object, `name` already removed).
 pub type Constructor = Arc<dyn Fn(&Value) -> Result<Box<dyn Environment>, EnvError> + Send + Sync>;
@@ -22,10 +25,21 @@ pub struct RegistryEntry {
     constructor: Constructor,
 }
 
-/// Environment names -> constructors.
+/// Builds a fresh baseline policy.
+pub type PolicyConstructor = Arc<dyn Fn() -> Box<dyn Policy> + Send + Sync>;
+
+/// One registered baseline policy.
+#[derive(Clone)]
+struct PolicyEntry {
+    description: String,
+    constructor: PolicyConstructor,
+}
+
+/// Environment names -> constructors, and baseline policy names -> constructors.
 #[derive(Clone, Default)]
 pub struct Registry {
     entries: BTreeMap<String, RegistryEntry>,
+    policies: BTreeMap<String, PolicyEntry>,
 }
 
 impl Registry {
@@ -50,6 +64,31 @@ impl Registry {
             name.to_string(),
             RegistryEntry { description: description.to_string(), constructor: Arc::new(constructor) },
         );
+    }
+
+    /// Registers (or replaces) a baseline policy under `name` (matched ignoring case).
+    pub fn register_policy<F>(&mut self, name: &str, description: &str, constructor: F)
+    where
+        F: Fn() -> Box<dyn Policy> + Send + Sync + 'static,
+    {
+        self.policies.insert(
+            name.trim().to_ascii_lowercase(),
+            PolicyEntry { description: description.to_string(), constructor: Arc::new(constructor) },
+        );
+    }
+
+    /// A fresh baseline policy by name (ignoring case and surrounding spaces).
+    pub fn make_policy(&self, name: &str) -> Result<Box<dyn Policy>, EnvError> {
+        let entry = self.policies.get(&name.trim().to_ascii_lowercase()).ok_or_else(|| EnvError::UnknownPolicy {
+            name: name.to_string(),
+            known: self.policies.keys().cloned().collect::<Vec<_>>().join(", "),
+        })?;
+        Ok((entry.constructor)())
+    }
+
+    /// The registered baseline policies with their descriptions, sorted by name.
+    pub fn policies(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.policies.iter().map(|(name, entry)| (name.as_str(), entry.description.as_str()))
     }
 
     /// The registered names with their descriptions, sorted by name.

@@ -46,7 +46,7 @@ fn summary(env: &dyn Environment, seed: u64, steps: usize) -> EpisodeSummary {
 
 /// Plays one episode from `seed` with `policy` in every seat.
 pub fn run_episode(env: &mut dyn Environment, policy: &mut dyn Policy, seed: u64) -> Result<EpisodeSummary, EnvError> {
-    env.reset(seed);
+    crate::batch::reset_one(env, seed)?;
     let mut rng = ChaCha8Rng::seed_from_u64(policy_seed(seed));
     let mut steps = 0;
     while !env.is_terminal() {
@@ -159,7 +159,7 @@ pub fn play_interactive(
             message: format!("{human} is not a seat of this environment (0 to {})", env.num_seats() - 1),
         });
     }
-    env.reset(seed);
+    crate::batch::reset_one(env, seed)?;
     let mut rng = ChaCha8Rng::seed_from_u64(policy_seed(seed));
     let mut steps = 0;
     writeln!(output, "{}\n", env.instructions(human)).map_err(io_error)?;

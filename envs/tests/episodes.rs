@@ -2,7 +2,7 @@
 //! replaying, and the interactive loop.
 
 use serde_json::json;
-use troupe_envs::policy::{policy_by_name, HanabiRulePolicy, RandomPolicy};
+use troupe_envs::policy::{HanabiRulePolicy, RandomPolicy};
 use troupe_envs::records::{record_episodes, replay_line};
 use troupe_envs::runner::{bench, play_interactive, run_episode};
 use troupe_envs::{Environment, Registry};
@@ -72,7 +72,7 @@ fn rule_based_hanabi_beats_random() {
     let bridge = registry.make("bridge", &json!({})).expect("valid");
     let err = HanabiRulePolicy.act_on(bridge.as_ref());
     assert!(err.contains("Hanabi only"), "{err}");
-    assert!(policy_by_name("smart").err().expect("unknown").to_string().contains("random, rule"));
+    assert!(registry.make_policy("smart").err().expect("unknown").to_string().contains("random, rule"));
 }
 
 /// A helper so the test above reads simply.
@@ -99,7 +99,7 @@ fn recorded_games_replay() {
         ("hanabi", json!({"variant": "very_small", "players": 5}), "random"),
         ("bridge", json!({"rotate_boards": true}), "random"),
     ] {
-        let mut policy = policy_by_name(policy).expect("known");
+        let mut policy = registry.make_policy(policy).expect("known");
         let lines = record_episodes(&registry, name, &params, 8, 100, policy.as_mut()).expect("records");
         assert_eq!(lines.len(), 8);
         for line in &lines {

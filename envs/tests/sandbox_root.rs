@@ -142,7 +142,11 @@ fn root_refuses_to_hand_its_identity_to_the_code_unless_told_to() {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
     let private = dir.path().join("python3");
-    std::fs::copy(&system, &private).expect("copy the interpreter");
+    // Copied by `cp`, not in this process: a file this process held open for writing could be
+    // inherited by a child another test forks meanwhile, and executing it would then fail with
+    // "text file busy".
+    let copied = std::process::Command::new("cp").arg(&system).arg(&private).status().expect("cp runs");
+    assert!(copied.success(), "copy the interpreter");
     std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
     let config = SandboxConfig {
         python: private.display().to_string(),

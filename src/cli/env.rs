@@ -1,4 +1,4 @@
-//! `troupe env ...`: list, play, bench, record and replay environments. The logic lives in
+//! `troupe env ...`: list, play, bench, record, replay and serve environments. The logic lives in
 //! `troupe_envs` (runner, policy, records); this file only reads arguments and prints.
 
 use std::io::Write;
@@ -7,13 +7,23 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Subcommand;
 use serde_json::{Map, Value};
-use troupe_envs::{policy, records, runner, Registry};
+use troupe_envs::{records, runner, Registry};
 
 /// `troupe env` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum EnvCommand {
-    /// List the registered environments.
+    /// List the registered environments and baseline policies.
     List,
+    /// Serve an environment over the external protocol on stdin/stdout (envs/README.md): what an
+    /// `env: {name: external, command: [troupe, env, serve, NAME]}` config runs.
+    Serve {
+        /// Environment name (`troupe env list`).
+        name: String,
+        /// Environment parameter, KEY=VALUE with a YAML/JSON scalar value (repeatable); `init`'s
+        /// parameters are laid over these.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
+    },
     /// Play one seat yourself in the terminal against baseline policies, seeing exactly the text
     /// the agents see.
     Play {
@@ -98,20 +108,29 @@ pub fn parse_sets(sets: &[String]) -> anyhow::Result<Value> {
     Ok(Value::Object(params))
 }
 
-/// Runs one `troupe env` subcommand.
-pub fn run(command: EnvCommand) -> anyhow::Result<()> {
-    let registry = Registry::with_builtins();
+/// Runs one `troupe env` subcommand with the environments and policies of `registry`.
+pub fn run(command: EnvCommand, registry: &Registry) -> anyhow::Result<()> {
     match command {
         EnvCommand::List => {
             for (name, description) in registry.list() {
                 println!("{name}\t{description}");
             }
+            for (name, description) in registry.policies() {
+                println!("policy {name}\t{description}");
+            }
+            Ok(())
+        }
+        EnvCommand::Serve { name, set } => {
+            let params = parse_sets(&set)?;
+            registry.make(&name, &params)?;
+            let stdin = std::io::stdin();
+            troupe_envs::external::serve(registry, &name, &params, stdin.lock(), std::io::stdout().lock())?;
             Ok(())
         }
         EnvCommand::Play { name, seed, seat, policy, set } => {
             let mut env = registry.make(&name, &parse_sets(&set)?)?;
             let policy_name = policy.unwrap_or_else(|| if name == "hanabi" { "rule" } else { "random" }.to_string());
-            let mut policy = policy::policy_by_name(&policy_name)?;
+            let mut policy = registry.make_policy(&policy_name)?;
             let stdin = std::io::stdin();
             let mut input = stdin.lock();
             let mut output = std::io::stdout().lock();
@@ -124,7 +143,7 @@ pub fn run(command: EnvCommand) -> anyhow::Result<()> {
             check_episodes(episodes)?;
             let policy = policy.unwrap_or_else(|| if name == "coding" { "canonical" } else { "random" }.to_string());
             let mut env = registry.make(&name, &parse_sets(&set)?)?;
-            let mut policy = policy::policy_by_name(&policy)?;
+            let mut policy = registry.make_policy(&policy)?;
             tracing::info!(env = %name, episodes, seed, policy = policy.name(), "benchmarking");
             let report = runner::bench(env.as_mut(), policy.as_mut(), episodes, seed)?;
             println!("{}", serde_json::to_string_pretty(&report)?);
@@ -132,9 +151,9 @@ pub fn run(command: EnvCommand) -> anyhow::Result<()> {
         }
         EnvCommand::Record { name, episodes, seed, policy, set, out } => {
             check_episodes(episodes)?;
-            let mut policy = policy::policy_by_name(&policy)?;
+            let mut policy = registry.make_policy(&policy)?;
             let lines =
-                records::record_episodes(&registry, &name, &parse_sets(&set)?, episodes, seed, policy.as_mut())?;
+                records::record_episodes(registry, &name, &parse_sets(&set)?, episodes, seed, policy.as_mut())?;
             let tmp = out.with_extension("jsonl.tmp");
             let mut text = lines.join("\n");
             text.push('\n');

@@ -50,17 +50,16 @@ pub fn resolve_adapters_dir(path: &Path) -> anyhow::Result<PathBuf> {
     anyhow::bail!("{}: neither an adapters directory (troupe.json), a checkpoint, nor a run directory with checkpoints", path.display())
 }
 
-/// Evaluates; prints the summary as JSON.
-pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>) -> anyhow::Result<()> {
+/// Evaluates with the environments and policies of `registry`; prints the summary as JSON.
+pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Registry) -> anyhow::Result<()> {
     if let Some(episodes) = args.episodes {
         let limit = crate::rl::limits::MAX_EPISODES;
         if episodes == 0 || episodes > limit {
             anyhow::bail!("--episodes {episodes}: give between 1 and {limit} episodes");
         }
     }
-    let config = TrainConfig::from_yaml_file(&args.config, &args.set)?;
-    let registry = Registry::with_builtins();
-    config.build_env(&args.config, &registry)?;
+    let config = TrainConfig::from_yaml_file(&args.config, &args.set, registry)?;
+    config.build_env(&args.config, registry)?;
     let device = match device {
         Some(d) => d,
         None => crate::device::parse_device(&config.model.device)?,
@@ -70,7 +69,7 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>) -> anyhow::Resu
     let mut manager = MultiAdapterManager::for_model(&model);
     manager.load_adapters(&dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
     let episodes = args.episodes.unwrap_or(config.eval.episodes);
-    let summary = evaluate(&model, &manager, &config, episodes, &registry).with_context(|| format!("evaluating {}", dir.display()))?;
+    let summary = evaluate(&model, &manager, &config, episodes, registry).with_context(|| format!("evaluating {}", dir.display()))?;
     let mut value = serde_json::to_value(&summary)?;
     value["adapters"] = serde_json::Value::String(dir.display().to_string());
     println!("{}", serde_json::to_string_pretty(&value)?);

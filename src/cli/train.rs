@@ -34,19 +34,20 @@ pub struct TrainArgs {
     pub quiet: bool,
 }
 
-/// Runs (or resumes) the training run; prints `{"run_dir", "iterations", "last", "checkpoint"}`.
-pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>) -> anyhow::Result<()> {
-    let registry = Registry::with_builtins();
+/// Runs (or resumes) the training run with the environments and policies of `registry`; prints
+/// `{"run_dir", "iterations", "last", "checkpoint"}`.
+pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Registry) -> anyhow::Result<()> {
+    let registry = registry.clone();
     let mut run = match (&args.resume, &args.config) {
         (Some(run_dir), _) => {
             let device = match device {
                 Some(d) => d,
-                None => crate::device::parse_device(&TrainConfig::from_run_dir(run_dir)?.model.device)?,
+                None => crate::device::parse_device(&TrainConfig::from_run_dir(run_dir, &registry)?.model.device)?,
             };
             TrainingRun::resume(run_dir, &args.set, registry, &device).with_context(|| format!("resuming {}", run_dir.display()))?
         }
         (None, Some(path)) => {
-            let config = TrainConfig::from_yaml_file(path, &args.set)?;
+            let config = TrainConfig::from_yaml_file(path, &args.set, &registry)?;
             let device = match device {
                 Some(d) => d,
                 None => crate::device::parse_device(&config.model.device)?,

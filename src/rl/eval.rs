@@ -7,7 +7,7 @@ use std::time::Instant;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
-use troupe_envs::policy::{policy_by_name, Policy};
+use troupe_envs::policy::Policy;
 use troupe_envs::{Registry, SeatId};
 
 use super::advantage::mean_std;
@@ -91,7 +91,7 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
     }
     let mut baselines: BTreeMap<SeatId, Box<dyn Policy>> = BTreeMap::new();
     for (&seat, name) in &config.eval.baseline_seats {
-        baselines.insert(seat, policy_by_name(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?);
+        baselines.insert(seat, registry.make_policy(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?);
     }
     let rollout = config.eval_rollout_config();
     let spec = config.eval_env_spec();

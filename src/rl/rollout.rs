@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 use troupe_envs::policy::Policy;
-use troupe_envs::{Action, Environment, LegalAction, Registry, SeatId};
+use troupe_envs::{Action, ActionError, Environment, LegalAction, Registry, SeatId};
 
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
@@ -228,8 +228,8 @@ pub fn run_episodes_with_baselines(
         return Err(TroupeError::invalid("seeds", "one seed per environment"));
     }
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(envs.len());
-    for (env, &seed) in envs.iter_mut().zip(seeds) {
-        env.reset(seed);
+    troupe_envs::batch::reset_all(envs, seeds).map_err(|e| TroupeError::invalid("env", e.to_string()))?;
+    for (env, &seed) in envs.iter().zip(seeds) {
         if seat_agents.len() < env.num_seats() {
             return Err(TroupeError::invalid("seat_agents", format!("{} seats need an agent each", env.num_seats())));
         }
@@ -269,24 +269,38 @@ pub fn run_episodes_with_baselines(
             ActionMode::Constrained => decide_constrained(model, manager, envs, &pending, config, rng)?,
             ActionMode::Choice => decide_choice(model, manager, envs, &pending, config, rng)?,
         };
-        for (episode, sources) in acting {
+        // Every live episode's joint action, stepped together (an external environment's
+        // episodes in one exchange).
+        let joint: Vec<(usize, Option<Vec<Action>>)> = acting
+            .iter()
+            .map(|(episode, sources)| {
+                let actions = sources
+                    .iter()
+                    .map(|s| match s {
+                        Source::Row(r) => decided[*r].action.clone(),
+                        Source::Baseline(action) => Some(action.clone()),
+                    })
+                    .collect();
+                (*episode, actions)
+            })
+            .collect();
+        let steps: Vec<(usize, Vec<Action>)> =
+            joint.iter().filter_map(|(episode, actions)| actions.clone().map(|a| (*episode, a))).collect();
+        let mut stepped = troupe_envs::batch::step_all(envs, &steps).into_iter();
+        for ((episode, sources), (_, actions)) in acting.into_iter().zip(&joint) {
             let rows: Vec<usize> = sources.iter().filter_map(|s| if let Source::Row(r) = s { Some(*r) } else { None }).collect();
-            let actions: Option<Vec<Action>> = sources
-                .into_iter()
-                .map(|s| match s {
-                    Source::Row(r) => decided[r].action.clone(),
-                    Source::Baseline(action) => Some(action),
-                })
-                .collect();
             let record = &mut records[episode];
-            let step_rewards = match actions {
-                Some(actions) => match envs[episode].step(&actions) {
-                    Ok(rewards) => rewards,
-                    Err(_) => {
-                        ended[episode] = true;
-                        vec![0.0; record.env_returns.len()]
-                    }
-                },
+            let outcome = if actions.is_some() { stepped.next() } else { None };
+            let step_rewards = match outcome {
+                Some(Ok(rewards)) => rewards,
+                Some(Err(ActionError::Failed(message))) => {
+                    return Err(TroupeError::invalid("env", format!("{}: {message}", envs[episode].name())));
+                }
+                Some(Err(err)) => {
+                    tracing::warn!(env = envs[episode].name(), episode, error = %err, "the environment refused a step; the episode ends");
+                    ended[episode] = true;
+                    vec![0.0; record.env_returns.len()]
+                }
                 None => {
                     ended[episode] = true;
                     vec![0.0; record.env_returns.len()]
@@ -365,6 +379,9 @@ fn decide_free(
             let text = model.tokenizer.decode(&out.output_ids, true)?;
             match envs[p.episode].parse_action(p.seat, &text) {
                 Ok(action) => decided[r] = Some(Decided { action: Some(action), completion_ids: out.output_ids, invalid: attempt > 0, choice: None }),
+                Err(ActionError::Failed(message)) => {
+                    return Err(TroupeError::invalid("env", format!("{}: {message}", envs[p.episode].name())));
+                }
                 Err(err) if attempt < retries => {
                     let note = format!("Your reply {text:?} was not a legal action: {err}. Answer again.");
                     let prompt = prompt_text(model, envs[p.episode].as_ref(), p.seat, config.chat_template, Some(&note))?;

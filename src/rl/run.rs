@@ -134,7 +134,7 @@ impl TrainingRun {
                 });
             }
         }
-        let mut config = TrainConfig::from_yaml_file(&config_path, overrides)?;
+        let mut config = TrainConfig::from_yaml_file(&config_path, overrides, &registry)?;
         super::config_guard::check_resume(&config, run_dir)?;
         // The run lives where it is now, even if it was moved since it started.
         config.run.out_dir = run_dir.to_path_buf();

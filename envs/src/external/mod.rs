@@ -1,0 +1,470 @@
+//! Environments written in any language: troupe starts a process from the config
+//! (`env: {name: external, command: [python3, my_env.py], params: {...}}`) and talks to it in
+//! JSON lines over its stdin and stdout. The protocol is specified in envs/README.md
+//! ("Environments in any language"); [`serve`] is its server side for any [`Environment`],
+//! and `python/troupe_env.py` is the same for Python.
+//!
+//! One process serves every episode built from the same parameters (the registry keeps it for
+//! as long as the registry lives); [`crate::batch`] resets and steps many of its episodes in one
+//! exchange. Every answer is checked: a process that crashes, hangs past `timeout_s`, prints
+//! something that is not the protocol, or hands back an action that is not legal fails with an
+//! error naming its command and the offending message, and is killed.
+
+mod process;
+pub mod protocol;
+mod server;
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
+use crate::error::{ActionError, EnvError};
+use crate::registry::{parse_params, Registry};
+use process::{CallError, Process};
+use protocol::{
+    empty_state, WireAction, WireHello, WireParseResult, WireResults, WireState, WireStates, WireStepResult,
+    PROTOCOL_VERSION,
+};
+pub use server::serve;
+
+/// The parameters of `env: {name: external, ...}`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExternalParams {
+    /// The process's argv, run from troupe's working directory.
+    pub command: Vec<String>,
+    /// Handed to the process as is in `init` (`{}` when absent).
+    #[serde(default)]
+    pub params: Value,
+    /// The longest wait for one answer, in seconds.
+    #[serde(default = "default_timeout_s")]
+    pub timeout_s: f64,
+}
+
+fn default_timeout_s() -> f64 {
+    30.0
+}
+
+impl ExternalParams {
+    /// Reads and checks the parameters: a non-empty command, a positive finite time limit.
+    pub fn from_params(params: &Value) -> Result<Self, EnvError> {
+        let parsed: Self = parse_params("external", params)?;
+        let bad = |field: &str, message: &str| EnvError::BadParam {
+            env: "external".to_string(),
+            field: field.to_string(),
+            message: message.to_string(),
+        };
+        if parsed.command.is_empty() || parsed.command[0].is_empty() {
+            return Err(bad("command", "must name a program, e.g. [python3, my_env.py]"));
+        }
+        if !(parsed.timeout_s.is_finite() && parsed.timeout_s > 0.0) {
+            return Err(bad("timeout_s", &format!("{} is not a positive number of seconds", parsed.timeout_s)));
+        }
+        if !(parsed.params.is_null() || parsed.params.is_object()) {
+            return Err(bad("params", "must be a mapping"));
+        }
+        Ok(parsed)
+    }
+
+    /// The command line as one string, for messages.
+    pub fn command_line(&self) -> String {
+        self.command.join(" ")
+    }
+}
+
+/// Registers `external` into `registry`. Environments built from equal parameters share one
+/// process, started on first use and killed when the registry (and every environment built
+/// from it) is dropped; a process that failed is replaced by a fresh one on the next build.
+pub fn register(registry: &mut Registry) {
+    let processes: Arc<Mutex<BTreeMap<String, Arc<Backend>>>> = Arc::default();
+    registry.register(
+        "external",
+        "An environment in another process, any language: JSON lines over stdin/stdout (envs/README.md)",
+        move |params| {
+            let parsed = ExternalParams::from_params(params)?;
+            let key = params.to_string();
+            let mut processes = processes.lock().unwrap_or_else(|e| e.into_inner());
+            let backend = match processes.get(&key) {
+                Some(backend) if !backend.is_broken() => Arc::clone(backend),
+                _ => {
+                    let backend = Arc::new(Backend::start(&parsed)?);
+                    processes.insert(key, Arc::clone(&backend));
+                    backend
+                }
+            };
+            Ok(Box::new(ExternalEnv::new(backend)))
+        },
+    );
+}
+
+/// One process and what it said about itself.
+pub(crate) struct Backend {
+    command: String,
+    name: String,
+    num_seats: usize,
+    process: Mutex<Process>,
+    next_episode: AtomicU64,
+    /// Episodes dropped since the last exchange: sent as one `close` before the next request.
+    closed: Mutex<Vec<u64>>,
+}
+
+impl Backend {
+    /// Starts the process and exchanges `init`.
+    fn start(params: &ExternalParams) -> Result<Self, EnvError> {
+        let command = params.command_line();
+        let fail = |message: String| EnvError::External { command: command.clone(), message };
+        let timeout = Duration::from_secs_f64(params.timeout_s);
+        let mut process = Process::start(&params.command, timeout).map_err(fail)?;
+        let init_params = if params.params.is_null() { json!({}) } else { params.params.clone() };
+        let mut fields = Map::new();
+        fields.insert("protocol".to_string(), json!(PROTOCOL_VERSION));
+        fields.insert("params".to_string(), init_params);
+        let result = process.call("init", fields).map_err(|err| fail(call_message("init", err)))?;
+        let hello: WireHello = serde_json::from_value(result.clone())
+            .map_err(|err| fail(format!("answered `init` with {result}: {err}")))?;
+        if hello.num_seats == 0 {
+            return Err(fail("answered `init` with num_seats 0".to_string()));
+        }
+        Ok(Self {
+            command,
+            name: hello.name,
+            num_seats: hello.num_seats,
+            process: Mutex::new(process),
+            next_episode: AtomicU64::new(0),
+            closed: Mutex::new(Vec::new()),
+        })
+    }
+
+    fn is_broken(&self) -> bool {
+        self.process.lock().map_or(true, |p| p.is_broken())
+    }
+
+    fn error(&self, message: String) -> EnvError {
+        EnvError::External { command: self.command.clone(), message }
+    }
+
+    /// One exchange, after telling the process which episodes troupe dropped.
+    fn call(&self, method: &str, fields: Map<String, Value>) -> Result<Value, EnvError> {
+        let mut process = self.process.lock().unwrap_or_else(|e| e.into_inner());
+        let closed = std::mem::take(&mut *self.closed.lock().unwrap_or_else(|e| e.into_inner()));
+        if !closed.is_empty() {
+            let mut close = Map::new();
+            close.insert("episodes".to_string(), json!(closed));
+            process.call("close", close).map_err(|err| self.error(call_message("close", err)))?;
+        }
+        process.call(method, fields).map_err(|err| self.error(call_message(method, err)))
+    }
+
+    /// Breaks the process over an answer that does not hold up, returning the error.
+    fn protocol_error(&self, method: &str, message: String) -> EnvError {
+        let mut process = self.process.lock().unwrap_or_else(|e| e.into_inner());
+        match process.break_with(format!("answered `{method}` wrongly: {message}")) {
+            CallError::Broken(message) | CallError::Refused(message) => self.error(message),
+        }
+    }
+
+    /// Resets `(episode, seed)` pairs in one exchange; one checked state per pair.
+    fn reset(&self, entries: &[(u64, u64)]) -> Result<Vec<WireState>, EnvError> {
+        let episodes: Vec<Value> = entries.iter().map(|&(episode, seed)| json!({"episode": episode, "seed": seed})).collect();
+        let mut fields = Map::new();
+        fields.insert("episodes".to_string(), Value::Array(episodes));
+        let result = self.call("reset", fields)?;
+        let states: WireStates = serde_json::from_value(result).map_err(|err| self.protocol_error("reset", err.to_string()))?;
+        if states.states.len() != entries.len() {
+            let message = format!("{} states for {} episodes", states.states.len(), entries.len());
+            return Err(self.protocol_error("reset", message));
+        }
+        for (state, &(episode, seed)) in states.states.iter().zip(entries) {
+            state
+                .check(self.num_seats)
+                .map_err(|m| self.protocol_error("reset", format!("episode {episode} (seed {seed}): {m}")))?;
+        }
+        Ok(states.states)
+    }
+
+    /// Steps `(episode, actions)` pairs in one exchange. Per entry: the rewards and the checked
+    /// new state, or the process's reason for refusing the step.
+    fn step(&self, entries: &[(u64, &[Action])]) -> Result<Vec<Result<(Vec<f64>, WireState), String>>, EnvError> {
+        let episodes: Vec<Value> = entries
+            .iter()
+            .map(|(episode, actions)| {
+                let actions: Vec<WireAction> = actions.iter().map(WireAction::from).collect();
+                json!({"episode": episode, "actions": actions})
+            })
+            .collect();
+        let mut fields = Map::new();
+        fields.insert("episodes".to_string(), Value::Array(episodes));
+        let result = self.call("step", fields)?;
+        let results: WireResults<WireStepResult> =
+            serde_json::from_value(result).map_err(|err| self.protocol_error("step", err.to_string()))?;
+        if results.results.len() != entries.len() {
+            let message = format!("{} results for {} episodes", results.results.len(), entries.len());
+            return Err(self.protocol_error("step", message));
+        }
+        let mut out = Vec::with_capacity(entries.len());
+        for (result, (episode, _)) in results.results.into_iter().zip(entries) {
+            match result {
+                WireStepResult::Refused { error } => out.push(Err(error)),
+                WireStepResult::Stepped { rewards, state } => {
+                    if rewards.len() != self.num_seats || rewards.iter().any(|r| !r.is_finite()) {
+                        let message = format!("episode {episode}: rewards {rewards:?} for {} seats", self.num_seats);
+                        return Err(self.protocol_error("step", message));
+                    }
+                    state.check(self.num_seats).map_err(|m| self.protocol_error("step", format!("episode {episode}: {m}")))?;
+                    out.push(Ok((rewards, state)));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Asks the process to read `text` as an action of `seat` in `episode`.
+    fn parse(&self, episode: u64, seat: SeatId, text: &str) -> Result<Result<Action, String>, EnvError> {
+        let mut fields = Map::new();
+        fields.insert("requests".to_string(), json!([{"episode": episode, "seat": seat, "text": text}]));
+        let result = self.call("parse", fields)?;
+        let results: WireResults<WireParseResult> =
+            serde_json::from_value(result).map_err(|err| self.protocol_error("parse", err.to_string()))?;
+        match results.results.into_iter().next() {
+            Some(WireParseResult::Parsed { action }) => Ok(Ok(action.into())),
+            Some(WireParseResult::Refused { error }) => Ok(Err(error)),
+            None => Err(self.protocol_error("parse", "no result for the request".to_string())),
+        }
+    }
+}
+
+/// The message of a failed call.
+fn call_message(method: &str, err: CallError) -> String {
+    match err {
+        CallError::Refused(message) => format!("refused `{method}`: {message}"),
+        CallError::Broken(message) => message,
+    }
+}
+
+/// One episode of an external environment: a handle on the shared process and the latest state
+/// it sent (every query between steps is answered from it, with no exchange).
+pub struct ExternalEnv {
+    backend: Arc<Backend>,
+    episode: u64,
+    view: RefCell<View>,
+}
+
+/// The latest state, or why there is none.
+struct View {
+    state: WireState,
+    failure: Option<String>,
+}
+
+impl ExternalEnv {
+    fn new(backend: Arc<Backend>) -> Self {
+        let episode = backend.next_episode.fetch_add(1, Ordering::Relaxed);
+        let view = View { state: empty_state(backend.num_seats), failure: None };
+        Self { backend, episode, view: RefCell::new(view) }
+    }
+
+    /// The process's command line.
+    pub fn command(&self) -> &str {
+        &self.backend.command
+    }
+
+    /// Why the environment cannot go on (the process failed), if it cannot.
+    pub fn failure(&self) -> Option<String> {
+        self.view.borrow().failure.clone()
+    }
+
+    fn fail(&self, err: &EnvError) {
+        let mut view = self.view.borrow_mut();
+        view.failure = Some(err.to_string());
+        view.state = empty_state(self.backend.num_seats);
+    }
+
+    /// Checks a joint action locally (count, acting seats' legal ids) before it is sent.
+    fn check_actions(&self, actions: &[Action]) -> Result<(), ActionError> {
+        let view = self.view.borrow();
+        if let Some(failure) = &view.failure {
+            return Err(ActionError::Failed(failure.clone()));
+        }
+        if view.state.terminal {
+            return Err(ActionError::EpisodeOver);
+        }
+        let acting = &view.state.acting_seats;
+        if actions.len() != acting.len() {
+            return Err(ActionError::WrongActionCount { expected: acting.len(), got: actions.len() });
+        }
+        for (&seat, action) in acting.iter().zip(actions) {
+            if let (Action::Id(id), Some(legal)) = (action, &view.state.legal_actions[seat]) {
+                if !legal.iter().any(|a| a.id == *id) {
+                    return Err(ActionError::Illegal {
+                        action: format!("{action}"),
+                        reason: format!("not a legal action of seat {seat}"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn describe(actions: &[Action]) -> String {
+        actions.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    }
+}
+
+impl Drop for ExternalEnv {
+    fn drop(&mut self) {
+        self.backend.closed.lock().unwrap_or_else(|e| e.into_inner()).push(self.episode);
+    }
+}
+
+impl Environment for ExternalEnv {
+    fn name(&self) -> &str {
+        &self.backend.name
+    }
+
+    fn num_seats(&self) -> usize {
+        self.backend.num_seats
+    }
+
+    fn reset(&mut self, seed: u64) {
+        match self.backend.reset(&[(self.episode, seed)]) {
+            Ok(mut states) => {
+                let mut view = self.view.borrow_mut();
+                view.state = states.remove(0);
+                view.failure = None;
+            }
+            Err(err) => self.fail(&err),
+        }
+    }
+
+    fn acting_seats(&self) -> Vec<SeatId> {
+        self.view.borrow().state.acting_seats.clone()
+    }
+
+    fn instructions(&self, seat: SeatId) -> String {
+        self.view.borrow().state.instructions.get(seat).cloned().unwrap_or_default()
+    }
+
+    fn observation(&self, seat: SeatId) -> String {
+        self.view.borrow().state.observations.get(seat).cloned().unwrap_or_default()
+    }
+
+    fn legal_actions(&self, seat: SeatId) -> Option<Vec<LegalAction>> {
+        self.view.borrow().state.legal_actions.get(seat).cloned().unwrap_or(Some(Vec::new()))
+    }
+
+    fn parse_action(&self, seat: SeatId, text: &str) -> Result<Action, ActionError> {
+        if let Some(failure) = self.failure() {
+            return Err(ActionError::Failed(failure));
+        }
+        match self.backend.parse(self.episode, seat, text) {
+            Ok(Ok(action)) => {
+                let unlisted = match (&action, self.legal_actions(seat)) {
+                    (Action::Id(id), Some(legal)) => (!legal.iter().any(|a| a.id == *id)).then_some(*id),
+                    _ => None,
+                };
+                if let Some(id) = unlisted {
+                    let err = self.backend.protocol_error(
+                        "parse",
+                        format!("{text:?} read as action {id}, which is not a legal action of seat {seat}"),
+                    );
+                    self.fail(&err);
+                    return Err(ActionError::Failed(err.to_string()));
+                }
+                Ok(action)
+            }
+            Ok(Err(reason)) => Err(ActionError::Unparseable { text: text.to_string(), reason }),
+            Err(err) => {
+                self.fail(&err);
+                Err(ActionError::Failed(err.to_string()))
+            }
+        }
+    }
+
+    fn step(&mut self, actions: &[Action]) -> Result<Vec<f64>, ActionError> {
+        let mut results = step_external(&[(&*self, actions)]);
+        results.remove(0)
+    }
+
+    fn is_terminal(&self) -> bool {
+        let view = self.view.borrow();
+        view.state.terminal || view.failure.is_some()
+    }
+
+    fn returns(&self) -> Vec<f64> {
+        self.view.borrow().state.returns.clone()
+    }
+
+    fn metrics(&self) -> EpisodeMetrics {
+        self.view.borrow().state.metrics.clone()
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Resets external episodes that share one process in one exchange.
+pub(crate) fn reset_external(envs: &[(&ExternalEnv, u64)]) -> Result<(), EnvError> {
+    let Some((first, _)) = envs.first() else { return Ok(()) };
+    let entries: Vec<(u64, u64)> = envs.iter().map(|(env, seed)| (env.episode, *seed)).collect();
+    match first.backend.reset(&entries) {
+        Ok(states) => {
+            for ((env, _), state) in envs.iter().zip(states) {
+                let mut view = env.view.borrow_mut();
+                view.state = state;
+                view.failure = None;
+            }
+            Ok(())
+        }
+        Err(err) => {
+            for (env, _) in envs {
+                env.fail(&err);
+            }
+            Err(err)
+        }
+    }
+}
+
+/// Steps external episodes that share one process in one exchange; one result per entry.
+pub(crate) fn step_external(envs: &[(&ExternalEnv, &[Action])]) -> Vec<Result<Vec<f64>, ActionError>> {
+    let mut results: Vec<Option<Result<Vec<f64>, ActionError>>> =
+        envs.iter().map(|(env, actions)| env.check_actions(actions).err().map(Err)).collect();
+    let sent: Vec<usize> = (0..envs.len()).filter(|&i| results[i].is_none()).collect();
+    if let Some(&first) = sent.first() {
+        let entries: Vec<(u64, &[Action])> = sent.iter().map(|&i| (envs[i].0.episode, envs[i].1)).collect();
+        match envs[first].0.backend.step(&entries) {
+            Ok(outcomes) => {
+                for (&i, outcome) in sent.iter().zip(outcomes) {
+                    let (env, actions) = &envs[i];
+                    results[i] = Some(match outcome {
+                        Ok((rewards, state)) => {
+                            env.view.borrow_mut().state = state;
+                            Ok(rewards)
+                        }
+                        Err(reason) => {
+                            Err(ActionError::Illegal { action: ExternalEnv::describe(actions), reason })
+                        }
+                    });
+                }
+            }
+            Err(err) => {
+                for &i in &sent {
+                    envs[i].0.fail(&err);
+                    results[i] = Some(Err(ActionError::Failed(err.to_string())));
+                }
+            }
+        }
+    }
+    results.into_iter().map(|r| r.unwrap_or(Err(ActionError::EpisodeOver))).collect()
+}
+
+/// The identity of the process behind `env`, when it is external (episodes with the same key
+/// can be batched together).
+pub(crate) fn process_key(env: &dyn Environment) -> Option<usize> {
+    env.as_any().downcast_ref::<ExternalEnv>().map(|e| Arc::as_ptr(&e.backend) as usize)
+}
