@@ -199,3 +199,206 @@ fn a_faulty_process_fails_clearly_and_never_hangs() {
     let err = registry.make("external", &json!({"command": ["sh"], "timeout_s": -1})).err().unwrap().to_string();
     assert!(err.contains("timeout_s"), "{err}");
 }
+
+/// A Python environment (the Nim game of python/troupe_env.py's docstring) whose process dies
+/// at its next step once `marker` exists.
+fn crashing_nim(dir: &std::path::Path, marker: &std::path::Path) -> std::path::PathBuf {
+    let module_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let script = dir.join("nim.py");
+    let source = format!(
+        r#"import os, random, sys
+sys.path.insert(0, {module_dir:?})
+from troupe_env import Environment, serve
+
+class Nim(Environment):
+    name = "nim"
+    num_seats = 2
+    def reset(self, seed):
+        self.stones, self.turn = random.Random(seed).randint(5, 9), 0
+    def acting_seats(self):
+        return [self.turn]
+    def instructions(self, seat):
+        return "Take 1 to 3 stones in turn; whoever takes the last stone wins."
+    def observation(self, seat):
+        return f"{{self.stones}} stones"
+    def legal_actions(self, seat):
+        return [(n, f"take {{n}}") for n in range(1, min(3, self.stones) + 1)]
+    def step(self, actions):
+        if os.path.exists({marker:?}):
+            print("nim: the marker says crash", file=sys.stderr, flush=True)
+            os._exit(7)
+        self.stones -= actions[0]
+        if self.stones == 0:
+            return [1.0, -1.0] if self.turn == 0 else [-1.0, 1.0]
+        self.turn = 1 - self.turn
+        return [0.0, 0.0]
+    def is_terminal(self):
+        return self.stones == 0
+
+serve(lambda params: Nim())
+"#,
+        module_dir = module_dir.display().to_string(),
+        marker = marker.display().to_string(),
+    );
+    std::fs::write(&script, source).unwrap();
+    script
+}
+
+/// The processes whose command line mentions `needle`.
+fn processes_running(needle: &str) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+        .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(needle))
+        .count()
+}
+
+#[test]
+fn a_run_whose_environment_crashes_stops_clearly_and_resumes_from_its_last_checkpoint() {
+    use troupe::rl::config::TrainConfig;
+    use troupe::rl::run::TrainingRun;
+
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("crash-now");
+    let script = crashing_nim(dir.path(), &marker);
+    let run_dir = dir.path().join("run");
+    let yaml = format!(
+        "run: {{out_dir: {run}, seed: 3, iterations: 3, checkpoint_every: 1}}\n\
+         env: {{name: external, command: [python3, {script}], timeout_s: 20}}\n\
+         adapter: {{r: 4, lora_alpha: 8.0}}\n\
+         action: {{mode: choice, chat_template: false}}\n\
+         training: {{group_size: 2, groups_per_iteration: 2, lr: 1.0e-2, max_episode_steps: 12}}\n\
+         eval: {{episodes: 8}}\n",
+        run = run_dir.display(),
+        script = script.display()
+    );
+    let registry = Registry::with_builtins();
+    let origin = std::path::Path::new("nim.yaml");
+    let config = TrainConfig::from_yaml_str(&yaml, origin, &[], &registry).unwrap();
+    let device = Device::flex();
+    let mut run = TrainingRun::start(config, origin, registry.clone(), &device).unwrap();
+    run.run_iteration().unwrap();
+    std::fs::write(&marker, "").unwrap();
+    let err = format!("{:#}", run.run_iteration().unwrap_err());
+    assert!(err.contains("nim.py") && err.contains("exited") && err.contains("the marker says crash"), "{err}");
+    drop(run);
+    drop(registry);
+    let script_name = script.display().to_string();
+    assert_eq!(processes_running(&script_name), 0, "the environment process outlived the run");
+
+    std::fs::remove_file(&marker).unwrap();
+    let mut resumed = TrainingRun::resume(&run_dir, &[], Registry::with_builtins(), &device).unwrap();
+    assert_eq!(resumed.iteration(), 1, "resumed from the checkpoint written before the crash");
+    while !resumed.finished() {
+        resumed.run_iteration().unwrap();
+    }
+    assert!(run_dir.join("checkpoints/iteration-000003/adapters").exists());
+    drop(resumed);
+    assert_eq!(processes_running(&script_name), 0);
+}
+
+/// A Python reward function served by python/troupe_reward.py: `body` is the function's body,
+/// with `completions_agent0`, `completions_agent1` and `batch_items` in scope.
+fn python_reward(dir: &std::path::Path, body: &str) -> Vec<String> {
+    let module_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let script = dir.join(format!("reward_{}.py", body.len()));
+    let source = format!(
+        "import json, sys\nsys.path.insert(0, {module_dir:?})\nfrom troupe_reward import serve_reward\n\n\
+         def reward(completions_agent0, completions_agent1, batch_items):\n    {body}\n\nserve_reward(reward)\n",
+        module_dir = module_dir.display().to_string()
+    );
+    std::fs::write(&script, source).unwrap();
+    vec!["python3".to_string(), script.display().to_string()]
+}
+
+fn pipeline(command: Vec<String>) -> troupe::rl::rewards::RewardPipeline {
+    use troupe::rl::rewards::{RewardFunction, RewardPipeline, WeightedReward};
+    let external = WeightedReward { command, timeout_s: Some(5.0), ..WeightedReward::builtin(RewardFunction::External, 2.0) };
+    RewardPipeline::new(vec![WeightedReward::builtin(RewardFunction::EnvReturn, 1.0), external], vec![]).unwrap()
+}
+
+fn item(seed: u64, a: &str, b: &str) -> troupe::rl::external_reward::RewardItem {
+    troupe::rl::external_reward::RewardItem {
+        seed,
+        completions: vec![vec![a.to_string()], vec![b.to_string()]],
+        prompts: vec![vec!["p0".to_string()], vec!["p1".to_string()]],
+        returns: vec![1.0, 1.0],
+        metrics: [("score".to_string(), 1.0)].into_iter().collect(),
+    }
+}
+
+#[test]
+fn external_reward_functions_score_batches_and_their_faults_are_named() {
+    use troupe::rl::external_reward::ExternalRewards;
+    let dir = tempfile::tempdir().unwrap();
+    // One number per episode goes to both seats; a list gives one per seat.
+    let body = "return [len(a) - len(b) if item['seed'] % 2 else [len(a), len(b)] for a, b, item in zip(completions_agent0, completions_agent1, batch_items)]";
+    let rewards = ExternalRewards::start(&pipeline(python_reward(dir.path(), body))).unwrap();
+    let values = rewards.score(&[item(1, "abcd", "ab"), item(2, "abc", "a"), item(3, "", "xyz")]).unwrap();
+    assert_eq!(values, vec![vec![vec![2.0], vec![2.0]], vec![vec![3.0], vec![1.0]], vec![vec![-3.0], vec![-3.0]]]);
+
+    // The pipeline adds the external value with its weight.
+    let p = pipeline(vec!["unused".into()]);
+    let metrics = [("score".to_string(), 0.0)].into_iter().collect();
+    let outcome = troupe::rl::rewards::SeatOutcome { env_return: 1.0, invalid_actions: 0, metrics: &metrics, external: &[0.25] };
+    assert_eq!(p.reward(&outcome).unwrap(), 1.5);
+
+    for (body, expected) in [
+        ("return [1.0]", "gave 1 rewards for 2 episodes"),
+        ("return [float('nan'), 1.0]", "is not a finite number"),
+        ("return [[1.0, 2.0, 3.0], 1.0]", "or a list of 2"),
+        ("raise KeyError('prompt')", "refused `score`: KeyError: 'prompt'"),
+        ("import os; os._exit(4)", "exited"),
+        ("import time; time.sleep(30)", "no answer to `score` within 5.0 s"),
+    ] {
+        let rewards = ExternalRewards::start(&pipeline(python_reward(dir.path(), body))).unwrap();
+        let err = rewards.score(&[item(1, "a", "b"), item(2, "c", "d")]).unwrap_err().to_string();
+        assert!(err.contains(expected) && err.contains("reward_"), "{body}: {err}");
+    }
+    let err = troupe::rl::rewards::RewardPipeline::new(
+        vec![troupe::rl::rewards::WeightedReward::builtin(troupe::rl::rewards::RewardFunction::External, 1.0)],
+        vec![],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("rewards.functions[0].command"), "{err}");
+}
+
+#[test]
+fn a_training_run_calls_its_external_reward_with_every_episode() {
+    use troupe::rl::config::TrainConfig;
+    use troupe::rl::run::TrainingRun;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("calls.jsonl");
+    let body = format!(
+        "open({log:?}, 'a').write(json.dumps([len(batch_items), completions_agent0[0], batch_items[0]['metrics']]) + '\\n'); return [0.5] * len(batch_items)",
+        log = log.display().to_string()
+    );
+    let command = python_reward(dir.path(), &body);
+    let yaml = format!(
+        "run: {{out_dir: {run}, seed: 3, iterations: 2, checkpoint_every: 1}}\n\
+         env: {{name: hanabi, players: 2, observation: compact}}\n\
+         adapter: {{r: 4, lora_alpha: 8.0}}\n\
+         action: {{mode: choice, chat_template: false}}\n\
+         training: {{group_size: 2, groups_per_iteration: 2, lr: 1.0e-2, max_episode_steps: 4}}\n\
+         rewards: {{functions: [{{name: env_return}}, {{name: external, command: [{python}, {script}], weight: 1.0}}]}}\n",
+        run = dir.path().join("run").display(),
+        python = command[0],
+        script = command[1],
+    );
+    let registry = Registry::with_builtins();
+    let origin = std::path::Path::new("reward.yaml");
+    let config = TrainConfig::from_yaml_str(&yaml, origin, &[], &registry).unwrap();
+    let mut run = TrainingRun::start(config, origin, registry, &Device::flex()).unwrap();
+    while !run.finished() {
+        run.run_iteration().unwrap();
+    }
+    let calls: Vec<Value> = std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(calls.len(), 2, "one call per iteration: {calls:?}");
+    for call in &calls {
+        assert_eq!(call[0], 4, "every episode of the iteration in one batch");
+        let first_reply = call[1].as_str().unwrap();
+        assert!(["play", "discard", "hint", "reveal"].iter().any(|w| first_reply.contains(w)), "a Hanabi move: {first_reply}");
+        assert!(call[2].get("score").is_some());
+    }
+}

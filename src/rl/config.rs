@@ -339,7 +339,7 @@ pub struct RewardsSection {
 impl Default for RewardsSection {
     fn default() -> Self {
         Self {
-            functions: vec![WeightedReward { name: RewardFunction::EnvReturn, weight: 1.0 }],
+            functions: vec![WeightedReward::builtin(RewardFunction::EnvReturn, 1.0)],
             processors: vec![RewardProcessor::Identity],
         }
     }
@@ -1097,7 +1097,7 @@ mod tests {
     fn indexing_a_list_the_file_leaves_out_starts_from_the_default() {
         let config = parse("", &["agents.seats[1]=0", "agents.num_agents=1", "rewards.functions[0].weight=2"]).unwrap();
         assert_eq!(config.agents.seats, vec![0, 0]);
-        assert_eq!(config.rewards.functions, vec![WeightedReward { name: RewardFunction::EnvReturn, weight: 2.0 }]);
+        assert_eq!(config.rewards.functions, vec![WeightedReward::builtin(RewardFunction::EnvReturn, 2.0)]);
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! applied in order.
 //!
 //! This is pure arithmetic on what an episode reports ([`SeatOutcome`]: the seat's return, its
-//! invalid-action count, the episode metrics), so it does not depend on how rollouts are run.
+//! invalid-action count, the episode metrics, and the values external reward functions gave it
+//! — those are computed beforehand by [`super::external_reward`]), so it does not depend on how
+//! rollouts are run.
 
 use serde::{Deserialize, Serialize};
 use troupe_envs::EpisodeMetrics;
@@ -20,6 +22,9 @@ pub enum RewardFunction {
     Score,
     /// Minus the number of invalid actions the seat produced.
     InvalidActions,
+    /// A reward function in another process, any language (`command`), called with every
+    /// episode's completions in one batch ([`super::external_reward`]).
+    External,
 }
 
 impl RewardFunction {
@@ -29,13 +34,17 @@ impl RewardFunction {
             RewardFunction::EnvReturn => "env_return",
             RewardFunction::Score => "score",
             RewardFunction::InvalidActions => "invalid_actions",
+            RewardFunction::External => "external",
         }
     }
 
-    /// The value of this function for one seat's outcome. `score` is an error when the
-    /// environment does not report that metric.
-    pub fn evaluate(self, outcome: &SeatOutcome<'_>) -> Result<f64> {
+    /// The value of this function for one seat's outcome; `external` is the `index`-th external
+    /// function's value. `score` is an error when the environment does not report that metric.
+    pub fn evaluate(self, outcome: &SeatOutcome<'_>, index: usize) -> Result<f64> {
         match self {
+            RewardFunction::External => outcome.external.get(index).copied().ok_or_else(|| {
+                TroupeError::invalid("rewards.functions", format!("external reward function {index} gave no value"))
+            }),
             RewardFunction::EnvReturn => Ok(outcome.env_return),
             RewardFunction::Score => outcome.metrics.get("score").copied().ok_or_else(|| TroupeError::MissingMetric {
                 function: self.name().to_string(),
@@ -47,7 +56,8 @@ impl RewardFunction {
     }
 }
 
-/// A reward function with its weight (`{name: env_return, weight: 1.0}`).
+/// A reward function with its weight (`{name: env_return, weight: 1.0}`, or
+/// `{name: external, command: [python3, my_reward.py], weight: 1.0, timeout_s: 60}`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightedReward {
@@ -56,6 +66,19 @@ pub struct WeightedReward {
     /// Its weight in the sum (default 1).
     #[serde(default = "one")]
     pub weight: f64,
+    /// For `external`: the process's argv, run from troupe's working directory.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
+    /// For `external`: the longest wait for one batch's answer, in seconds (default 60).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<f64>,
+}
+
+impl WeightedReward {
+    /// A built-in function with its weight.
+    pub fn builtin(name: RewardFunction, weight: f64) -> Self {
+        Self { name, weight, command: Vec::new(), timeout_s: None }
+    }
 }
 
 fn one() -> f64 {
@@ -132,6 +155,8 @@ pub struct SeatOutcome<'a> {
     pub invalid_actions: usize,
     /// The episode's metrics (`score`, ...), shared by all seats.
     pub metrics: &'a EpisodeMetrics,
+    /// What each external reward function gave this seat, in the order they are listed.
+    pub external: &'a [f64],
 }
 
 /// The configured reward: weighted functions, then processors.
@@ -155,6 +180,25 @@ impl RewardPipeline {
                     format!("{} is not a finite number", function.weight),
                 ));
             }
+            let external = function.name == RewardFunction::External;
+            if external && function.command.first().is_none_or(|c| c.is_empty()) {
+                return Err(TroupeError::invalid(
+                    &format!("rewards.functions[{i}].command"),
+                    "an external reward function needs a command, e.g. [python3, my_reward.py]",
+                ));
+            }
+            if !external && (!function.command.is_empty() || function.timeout_s.is_some()) {
+                return Err(TroupeError::invalid(
+                    &format!("rewards.functions[{i}].command"),
+                    format!("only an external reward function takes a command or timeout_s, not {}", function.name.name()),
+                ));
+            }
+            if let Some(t) = function.timeout_s.filter(|t| !(t.is_finite() && *t > 0.0)) {
+                return Err(TroupeError::invalid(
+                    &format!("rewards.functions[{i}].timeout_s"),
+                    format!("{t} is not a positive number of seconds"),
+                ));
+            }
         }
         for (i, processor) in processors.iter().enumerate() {
             processor.validate().map_err(|(field, message)| {
@@ -174,11 +218,18 @@ impl RewardPipeline {
         &self.processors
     }
 
+    /// The external functions, in order (what [`SeatOutcome::external`] holds values of).
+    pub fn external_functions(&self) -> impl Iterator<Item = &WeightedReward> {
+        self.functions.iter().filter(|f| f.name == RewardFunction::External)
+    }
+
     /// The weighted sum of the functions, before processing.
     pub fn raw(&self, outcome: &SeatOutcome<'_>) -> Result<f64> {
         let mut total = 0.0;
+        let mut external = 0;
         for function in &self.functions {
-            let value = function.name.evaluate(outcome)?;
+            let value = function.name.evaluate(outcome, external)?;
+            external += usize::from(function.name == RewardFunction::External);
             if !value.is_finite() {
                 return Err(TroupeError::invalid(
                     "reward",
@@ -204,6 +255,9 @@ impl RewardPipeline {
         invalid_actions: &[usize],
         metrics: &EpisodeMetrics,
     ) -> Result<Vec<f64>> {
+        if self.external_functions().next().is_some() {
+            return Err(TroupeError::invalid("rewards.functions", "external reward values are needed (see shaped_step_rewards)"));
+        }
         if returns.len() != invalid_actions.len() {
             return Err(TroupeError::invalid(
                 "invalid_actions",
@@ -213,7 +267,7 @@ impl RewardPipeline {
         returns
             .iter()
             .zip(invalid_actions)
-            .map(|(&env_return, &invalid_actions)| self.reward(&SeatOutcome { env_return, invalid_actions, metrics }))
+            .map(|(&env_return, &invalid_actions)| self.reward(&SeatOutcome { env_return, invalid_actions, metrics, external: &[] }))
             .collect()
     }
 }
@@ -227,7 +281,7 @@ mod tests {
     }
 
     fn weighted(name: RewardFunction, weight: f64) -> WeightedReward {
-        WeightedReward { name, weight }
+        WeightedReward::builtin(name, weight)
     }
 
     #[test]
@@ -257,7 +311,7 @@ mod tests {
         )
         .unwrap();
         let m = metrics(0.0);
-        let outcome = SeatOutcome { env_return: 2.0, invalid_actions: 0, metrics: &m };
+        let outcome = SeatOutcome { env_return: 2.0, invalid_actions: 0, metrics: &m, external: &[] };
         assert_eq!(scale_then_clamp.reward(&outcome).unwrap(), 5.0);
         assert_eq!(clamp_then_scale.reward(&outcome).unwrap(), 20.0);
     }
@@ -277,7 +331,7 @@ mod tests {
         // seat 0: 3 + 0.5 * 4 - 2 * 1 = 3; seat 1: -1 + 2 - 2 * 3 = -5.
         let rewards = pipeline.episode_rewards(&[3.0, -1.0], &[1, 3], &m).unwrap();
         assert_eq!(rewards, vec![3.0, -5.0]);
-        let outcome = SeatOutcome { env_return: 3.0, invalid_actions: 1, metrics: &m };
+        let outcome = SeatOutcome { env_return: 3.0, invalid_actions: 1, metrics: &m, external: &[] };
         assert_eq!(pipeline.raw(&outcome).unwrap(), 3.0);
     }
 

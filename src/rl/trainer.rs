@@ -16,6 +16,7 @@ use rand_chacha::ChaCha8Rng;
 use troupe_envs::{Action, Environment, Registry};
 
 use super::advantage::{like_turn_advantages, mean_std};
+use super::external_reward::{ExternalRewards, RewardItem};
 use super::flops::FlopModel;
 use super::loss::{k3_estimate, policy_loss, TokenWeights};
 use super::rewards::{RewardPipeline, SeatOutcome};
@@ -143,6 +144,7 @@ pub struct MagrpoTrainer {
     pub rng: ChaCha8Rng,
     settings: TrainerSettings,
     registry: Registry,
+    external_rewards: ExternalRewards,
 }
 
 /// What one backward pass over an iteration's samples produced.
@@ -197,7 +199,8 @@ impl MagrpoTrainer {
         }
         make_env(&registry, &settings.env_spec)?;
         let rng = ChaCha8Rng::seed_from_u64(settings.seed);
-        Ok(Self { model, manager, optimizer_states: BTreeMap::new(), iteration: 0, rng, settings, registry })
+        let external_rewards = ExternalRewards::start(&settings.rewards)?;
+        Ok(Self { model, manager, optimizer_states: BTreeMap::new(), iteration: 0, rng, settings, registry, external_rewards })
     }
 
     /// The settings the trainer was built with.
@@ -223,6 +226,32 @@ impl MagrpoTrainer {
         let span = s.total_iterations.saturating_sub(w.max(1));
         let progress = if span == 0 { 0.0 } else { (iteration.saturating_sub(w.max(1))) as f64 / span as f64 };
         peak * (1.0 - (1.0 - s.lr_final_fraction) * progress.min(1.0))
+    }
+
+    /// The external reward functions' values for `episodes`, `[episode][seat][function]`, from
+    /// one exchange per function (empty lists when there is none).
+    fn external_reward_values(&self, episodes: &[&EpisodeRecord]) -> Result<Vec<Vec<Vec<f64>>>> {
+        if self.external_rewards.is_empty() {
+            return Ok(episodes.iter().map(|e| vec![Vec::new(); e.env_returns.len()]).collect());
+        }
+        let decode = |ids: &[u32]| self.model.tokenizer.decode(ids, true);
+        let mut items = Vec::with_capacity(episodes.len());
+        for episode in episodes {
+            let seats = episode.env_returns.len();
+            let (mut completions, mut prompts) = (vec![Vec::new(); seats], vec![Vec::new(); seats]);
+            for turn in episode.turns.iter().filter(|t| t.seat < seats) {
+                completions[turn.seat].push(decode(&turn.completion_ids)?);
+                prompts[turn.seat].push(decode(&turn.prompt_ids)?);
+            }
+            items.push(RewardItem {
+                seed: episode.seed,
+                completions,
+                prompts,
+                returns: episode.env_returns.clone(),
+                metrics: episode.metrics.clone(),
+            });
+        }
+        self.external_rewards.score(&items)
     }
 
     /// Plays the iteration's rollouts: `groups_per_iteration` starts x `group_size` episodes,
@@ -486,9 +515,15 @@ impl MagrpoTrainer {
         let rollout_seconds = started.elapsed().as_secs_f64();
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
         let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
+        let external = self.external_reward_values(&episodes)?;
+        let mut external = external.iter();
         let shaped: Vec<Vec<Vec<Vec<f64>>>> = groups
             .iter()
-            .map(|g| g.iter().map(|e| shaped_step_rewards(e, &self.settings.rewards)).collect::<Result<Vec<_>>>())
+            .map(|g| {
+                g.iter()
+                    .map(|e| shaped_step_rewards(e, &self.settings.rewards, external.next().map_or(&[][..], Vec::as_slice)))
+                    .collect::<Result<Vec<_>>>()
+            })
             .collect::<Result<_>>()?;
         let returns: Vec<Vec<Vec<f64>>> = groups
             .iter()
@@ -583,6 +618,8 @@ impl MagrpoTrainer {
 }
 
 /// Every seat's reward at every step of `episode` under the configured pipeline: `[seat][step]`.
+/// `external[seat]` holds the external reward functions' values for the seat (empty when the
+/// pipeline has none).
 ///
 /// A seat's reward at a step is `w_env x (its environment reward there)`, plus at its own turns
 /// `w_env x (the invalid-reply penalty)` and `-w_invalid` for an invalid reply; the episode's last
@@ -591,7 +628,7 @@ impl MagrpoTrainer {
 /// survives. Every seat sees every step, so in a cooperative game a seat is credited with what
 /// its partners score after its move (with identity processors and `env_return` alone, a seat's
 /// rewards are exactly its environment rewards plus penalties).
-pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline) -> Result<Vec<Vec<f64>>> {
+pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline, external: &[Vec<f64>]) -> Result<Vec<Vec<f64>>> {
     use super::rewards::RewardFunction;
     let weight = |f: RewardFunction| pipeline.functions().iter().filter(|w| w.name == f).map(|w| w.weight).sum::<f64>();
     let (w_env, w_invalid) = (weight(RewardFunction::EnvReturn), weight(RewardFunction::InvalidActions));
@@ -609,7 +646,8 @@ pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline) -
     }
     if steps > 0 {
         for seat in 0..seats {
-            let outcome = SeatOutcome { env_return: env_return[seat], invalid_actions: invalid[seat], metrics: &episode.metrics };
+            let values = external.get(seat).map_or(&[][..], Vec::as_slice);
+            let outcome = SeatOutcome { env_return: env_return[seat], invalid_actions: invalid[seat], metrics: &episode.metrics, external: values };
             let processed = pipeline.reward(&outcome)?;
             let so_far: f64 = rewards[seat].iter().sum();
             rewards[seat][steps - 1] += processed - so_far;
@@ -664,7 +702,7 @@ mod tests {
             normalize_std: true,
             gamma: 1.0,
             kl_coef: 0.0,
-            rewards: RewardPipeline::new(vec![crate::rl::rewards::WeightedReward { name: crate::rl::rewards::RewardFunction::EnvReturn, weight: 1.0 }], vec![]).unwrap(),
+            rewards: RewardPipeline::new(vec![crate::rl::rewards::WeightedReward::builtin(crate::rl::rewards::RewardFunction::EnvReturn, 1.0)], vec![]).unwrap(),
             format_warmup: FormatWarmup::default(),
             micro_batch_rows: 2,
             seed: 3,

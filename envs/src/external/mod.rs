@@ -10,7 +10,7 @@
 //! something that is not the protocol, or hands back an action that is not legal fails with an
 //! error naming its command and the offending message, and is killed.
 
-mod process;
+pub mod process;
 pub mod protocol;
 mod server;
 

@@ -1,4 +1,4 @@
-//! One external environment process and the request/response exchange with it: JSON lines on
+//! One external process (an environment, or a reward function) and the request/response exchange with it: JSON lines on
 //! its stdin and stdout, a time limit on every answer, its stderr kept for error messages, and
 //! the process killed when troupe is done with it (or dies).
 
@@ -20,7 +20,7 @@ const SHOWN_CHARS: usize = 300;
 /// A running environment process. Once an exchange fails (the process exited, hung, or broke
 /// the protocol) the process is killed and every later call fails with the same message: a run
 /// stops with that error rather than going on with a half-working environment.
-pub(crate) struct Process {
+pub struct Process {
     child: Child,
     requests: Option<Sender<String>>,
     answers: Receiver<Option<String>>,
@@ -34,7 +34,7 @@ impl Process {
     /// Starts `command` (argv) with piped stdin, stdout and stderr. On Linux the process is
     /// killed if the thread that started it exits (`PR_SET_PDEATHSIG`), so it never outlives a
     /// troupe that was killed.
-    pub(crate) fn start(command: &[String], timeout: Duration) -> Result<Self, String> {
+    pub fn start(command: &[String], timeout: Duration) -> Result<Self, String> {
         let (program, args) = command.split_first().ok_or_else(|| "`command` is empty".to_string())?;
         let mut builder = Command::new(program);
         builder.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -109,8 +109,9 @@ impl Process {
     }
 
     /// Sends `{"id", "method", ...fields}` and returns the answer's `result`. An `error` answer
-    /// comes back as `Err(Answer::Refused)`; anything else that goes wrong breaks the process.
-    pub(crate) fn call(&mut self, method: &str, fields: Map<String, Value>) -> Result<Value, CallError> {
+    /// comes back as [`CallError::Refused`]; anything else that goes wrong (no answer within the
+    /// time limit, an exit, a line that is not a JSON object, a wrong id) breaks the process.
+    pub fn call(&mut self, method: &str, fields: Map<String, Value>) -> Result<Value, CallError> {
         if let Some(message) = &self.broken {
             return Err(CallError::Broken(message.clone()));
         }
@@ -170,13 +171,13 @@ impl Process {
     }
 
     /// Whether an exchange already failed (the process is killed and every call fails).
-    pub(crate) fn is_broken(&self) -> bool {
+    pub fn is_broken(&self) -> bool {
         self.broken.is_some()
     }
 
     /// Marks the process broken (killing it) and returns the error for `message`, with the end
     /// of its stderr.
-    pub(crate) fn break_with(&mut self, message: String) -> CallError {
+    pub fn break_with(&mut self, message: String) -> CallError {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let tail = self.stderr_tail();
@@ -215,7 +216,7 @@ impl Drop for Process {
 
 /// Why a call failed.
 #[derive(Debug)]
-pub(crate) enum CallError {
+pub enum CallError {
     /// The process answered with an `error` (it refused this request and can go on).
     Refused(String),
     /// The process cannot be used any more (the message says why).
