@@ -340,7 +340,7 @@ fn external_reward_functions_score_batches_and_their_faults_are_named() {
     // The pipeline adds the external value with its weight.
     let p = pipeline(vec!["unused".into()]);
     let metrics = [("score".to_string(), 0.0)].into_iter().collect();
-    let outcome = troupe::rl::rewards::SeatOutcome { env_return: 1.0, invalid_actions: 0, metrics: &metrics, external: &[0.25] };
+    let outcome = troupe::rl::rewards::SeatOutcome { env_return: 1.0, invalid_actions: 0, metrics: &metrics, computed: &[0.25] };
     assert_eq!(p.reward(&outcome).unwrap(), 1.5);
 
     for (body, expected) in [

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::environment::Environment;
+use crate::environment::{Environment, EpisodeMetrics, SeatId};
 use crate::error::EnvError;
 use crate::policy::Policy;
 
@@ -23,6 +23,31 @@ pub struct RegistryEntry {
     /// One line saying what the environment is.
     pub description: String,
     constructor: Constructor,
+}
+
+/// What a registered reward function reads about one seat's finished episode.
+#[derive(Clone, Copy, Debug)]
+pub struct RewardInput<'a> {
+    /// The seat.
+    pub seat: SeatId,
+    /// The seat's environment return.
+    pub env_return: f64,
+    /// How many of the seat's replies were not legal actions.
+    pub invalid_actions: usize,
+    /// The episode's metrics.
+    pub metrics: &'a EpisodeMetrics,
+    /// The seat's replies, in turn order.
+    pub completions: &'a [String],
+}
+
+/// A reward function a plug-in registers: one number for one seat of one episode.
+pub type RewardFn = Arc<dyn Fn(&RewardInput<'_>) -> f64 + Send + Sync>;
+
+/// One registered reward function.
+#[derive(Clone)]
+struct RewardEntry {
+    description: String,
+    function: RewardFn,
 }
 
 /// Builds a fresh baseline policy.
@@ -40,6 +65,7 @@ struct PolicyEntry {
 pub struct Registry {
     entries: BTreeMap<String, RegistryEntry>,
     policies: BTreeMap<String, PolicyEntry>,
+    rewards: BTreeMap<String, RewardEntry>,
 }
 
 impl Registry {
@@ -89,6 +115,25 @@ impl Registry {
     /// The registered baseline policies with their descriptions, sorted by name.
     pub fn policies(&self) -> impl Iterator<Item = (&str, &str)> {
         self.policies.iter().map(|(name, entry)| (name.as_str(), entry.description.as_str()))
+    }
+
+    /// Registers (or replaces) a reward function under `name`, for configs to list as
+    /// `rewards.functions: [{name: NAME, weight: ...}]` beside the built-in ones.
+    pub fn register_reward<F>(&mut self, name: &str, description: &str, function: F)
+    where
+        F: Fn(&RewardInput<'_>) -> f64 + Send + Sync + 'static,
+    {
+        self.rewards.insert(name.to_string(), RewardEntry { description: description.to_string(), function: Arc::new(function) });
+    }
+
+    /// The registered reward function `name`, if any.
+    pub fn reward(&self, name: &str) -> Option<RewardFn> {
+        self.rewards.get(name).map(|entry| Arc::clone(&entry.function))
+    }
+
+    /// The registered reward functions with their descriptions, sorted by name.
+    pub fn rewards(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.rewards.iter().map(|(name, entry)| (name.as_str(), entry.description.as_str()))
     }
 
     /// The registered names with their descriptions, sorted by name.

@@ -8,7 +8,8 @@
 //! ```
 //!
 //! The game: seat 0 sees a secret colour and sends one of as many signals; seat 1 sees only the
-//! signal and guesses the colour; both score 1 when the guess is right. Random play scores
+//! signal and guesses the colour; both score 1 when the guess is right. The crate also registers
+//! a reward function, `brevity`. Random play scores
 //! 1 / colours; a team that agrees on a code scores 1.
 
 use std::process::ExitCode;
@@ -179,6 +180,11 @@ fn register(registry: &mut Registry) {
         Ok(Box::new(SignalGame::from_params(params)?))
     });
     registry.register_policy("oracle", "plays the signal game perfectly (signal i means colour i)", || Box::new(OraclePolicy));
+    // A reward function configs can list beside the built-in ones:
+    // `rewards: {functions: [{name: env_return}, {name: brevity, weight: 0.1}]}`.
+    registry.register_reward("brevity", "minus the characters of the seat's replies, in hundreds", |input| {
+        -(input.completions.iter().map(|c| c.chars().count()).sum::<usize>() as f64) / 100.0
+    });
 }
 
 fn main() -> ExitCode {

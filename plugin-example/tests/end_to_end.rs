@@ -69,12 +69,27 @@ fn the_plugin_environment_and_policy_reach_every_command() {
     let list = String::from_utf8(run(&["env", "list"]).stdout).unwrap();
     assert!(list.contains("signal\t") && list.contains("hanabi\t"), "{list}");
     assert!(list.contains("policy oracle\t") && list.contains("policy rule\t"), "{list}");
+    assert!(list.contains("reward brevity\t"), "{list}");
 
     let oracle = json(&run(&["env", "bench", "signal", "--episodes", "200", "--policy", "oracle"]));
     assert_eq!(oracle["mean_score"], 1.0, "{oracle}");
     let random = json(&run(&["env", "bench", "signal", "--episodes", "3000", "--policy", "random", "--set", "colours=3"]));
     let mean = random["mean_score"].as_f64().unwrap();
     assert!((mean - 1.0 / 3.0).abs() < 0.03, "random play scores 1/3, got {mean}");
+
+    // The plug-in's reward function trains beside the built-in one; an unknown one is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let config = config_path();
+    let mut sets = train_sets(&dir.path().join("brevity"));
+    sets.push("run.iterations=1".to_string());
+    sets.push("rewards.functions=[{name: env_return}, {name: brevity, weight: 0.5}]".to_string());
+    run(&with_sets(&["train", "--quiet", "--config", config.to_str().unwrap()], &sets));
+    let unknown = Command::new(BIN)
+        .args(["train", "--config", config.to_str().unwrap(), "--set", "rewards.functions=[{name: terseness}]"])
+        .output()
+        .unwrap();
+    let message = String::from_utf8_lossy(&unknown.stderr);
+    assert!(!unknown.status.success() && message.contains("terseness") && message.contains("brevity"), "{message}");
 
     let bad = Command::new(BIN).args(["env", "bench", "signal", "--episodes", "5", "--set", "colours=9"]).output().unwrap();
     assert!(!bad.status.success());

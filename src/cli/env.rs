@@ -12,7 +12,7 @@ use troupe_envs::{records, runner, Registry};
 /// `troupe env` subcommands.
 #[derive(Debug, Subcommand)]
 pub enum EnvCommand {
-    /// List the registered environments and baseline policies.
+    /// List the registered environments, baseline policies and reward functions.
     List,
     /// Serve an environment over the external protocol on stdin/stdout (envs/README.md): what an
     /// `env: {name: external, command: [troupe, env, serve, NAME]}` config runs.
@@ -117,6 +117,9 @@ pub fn run(command: EnvCommand, registry: &Registry) -> anyhow::Result<()> {
             }
             for (name, description) in registry.policies() {
                 println!("policy {name}\t{description}");
+            }
+            for (name, description) in registry.rewards() {
+                println!("reward {name}\t{description}");
             }
             Ok(())
         }

@@ -579,6 +579,15 @@ impl TrainConfig {
         if let Err(TroupeError::InvalidArgument { name, message }) = self.reward_pipeline() {
             return fail(&name, message);
         }
+        for (i, function) in self.rewards.functions.iter().enumerate() {
+            if let RewardFunction::Registered(name) = &function.name {
+                if registry.reward(name).is_none() {
+                    let mut known = vec!["env_return", "score", "invalid_actions", "external"];
+                    known.extend(registry.rewards().map(|(name, _)| name));
+                    return fail(&format!("rewards.functions[{i}].name"), format!("unknown reward function {name:?} (known: {})", known.join(", ")));
+                }
+            }
+        }
         // eval
         if self.eval.episodes == 0 {
             return fail("eval.episodes", "must be at least 1".into());

@@ -12,9 +12,11 @@ use troupe_envs::EpisodeMetrics;
 
 use crate::error::{Result, TroupeError};
 
-/// A reward function, by the name configs use (`rewards.functions[i].name`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+/// A reward function, by the name configs use (`rewards.functions[i].name`): a built-in one,
+/// `external`, or any other name, which must be registered in the [`troupe_envs::Registry`]
+/// (`register_reward`) by a plug-in.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
 pub enum RewardFunction {
     /// The environment's return for the seat (the sum of its step rewards).
     EnvReturn,
@@ -25,12 +27,33 @@ pub enum RewardFunction {
     /// A reward function in another process, any language (`command`), called with every
     /// episode's completions in one batch ([`super::external_reward`]).
     External,
+    /// A function a plug-in registered under this name.
+    Registered(String),
+}
+
+impl From<String> for RewardFunction {
+    fn from(name: String) -> Self {
+        match name.as_str() {
+            "env_return" => RewardFunction::EnvReturn,
+            "score" => RewardFunction::Score,
+            "invalid_actions" => RewardFunction::InvalidActions,
+            "external" => RewardFunction::External,
+            _ => RewardFunction::Registered(name),
+        }
+    }
+}
+
+impl From<RewardFunction> for String {
+    fn from(function: RewardFunction) -> Self {
+        function.name().to_string()
+    }
 }
 
 impl RewardFunction {
     /// The name configs use.
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> &str {
         match self {
+            RewardFunction::Registered(name) => name,
             RewardFunction::EnvReturn => "env_return",
             RewardFunction::Score => "score",
             RewardFunction::InvalidActions => "invalid_actions",
@@ -38,12 +61,19 @@ impl RewardFunction {
         }
     }
 
-    /// The value of this function for one seat's outcome; `external` is the `index`-th external
-    /// function's value. `score` is an error when the environment does not report that metric.
-    pub fn evaluate(self, outcome: &SeatOutcome<'_>, index: usize) -> Result<f64> {
+    /// Whether the value comes from outside the pipeline (an external process or a registered
+    /// function), computed beforehand into [`SeatOutcome::computed`].
+    pub fn is_computed(&self) -> bool {
+        matches!(self, RewardFunction::External | RewardFunction::Registered(_))
+    }
+
+    /// The value of this function for one seat's outcome; a computed function (see
+    /// [`RewardFunction::is_computed`]) reads `outcome.computed[index]`. `score` is an error when
+    /// the environment does not report that metric.
+    pub fn evaluate(&self, outcome: &SeatOutcome<'_>, index: usize) -> Result<f64> {
         match self {
-            RewardFunction::External => outcome.external.get(index).copied().ok_or_else(|| {
-                TroupeError::invalid("rewards.functions", format!("external reward function {index} gave no value"))
+            RewardFunction::External | RewardFunction::Registered(_) => outcome.computed.get(index).copied().ok_or_else(|| {
+                TroupeError::invalid("rewards.functions", format!("reward function `{}` gave no value", self.name()))
             }),
             RewardFunction::EnvReturn => Ok(outcome.env_return),
             RewardFunction::Score => outcome.metrics.get("score").copied().ok_or_else(|| TroupeError::MissingMetric {
@@ -155,8 +185,8 @@ pub struct SeatOutcome<'a> {
     pub invalid_actions: usize,
     /// The episode's metrics (`score`, ...), shared by all seats.
     pub metrics: &'a EpisodeMetrics,
-    /// What each external reward function gave this seat, in the order they are listed.
-    pub external: &'a [f64],
+    /// What each computed function (external, registered) gave this seat, in listed order.
+    pub computed: &'a [f64],
 }
 
 /// The configured reward: weighted functions, then processors.
@@ -218,18 +248,24 @@ impl RewardPipeline {
         &self.processors
     }
 
-    /// The external functions, in order (what [`SeatOutcome::external`] holds values of).
+    /// The external functions, in order.
     pub fn external_functions(&self) -> impl Iterator<Item = &WeightedReward> {
         self.functions.iter().filter(|f| f.name == RewardFunction::External)
+    }
+
+    /// The computed functions (external or registered), in the order [`SeatOutcome::computed`]
+    /// holds their values.
+    pub fn computed_functions(&self) -> impl Iterator<Item = &WeightedReward> {
+        self.functions.iter().filter(|f| f.name.is_computed())
     }
 
     /// The weighted sum of the functions, before processing.
     pub fn raw(&self, outcome: &SeatOutcome<'_>) -> Result<f64> {
         let mut total = 0.0;
-        let mut external = 0;
+        let mut computed = 0;
         for function in &self.functions {
-            let value = function.name.evaluate(outcome, external)?;
-            external += usize::from(function.name == RewardFunction::External);
+            let value = function.name.evaluate(outcome, computed)?;
+            computed += usize::from(function.name.is_computed());
             if !value.is_finite() {
                 return Err(TroupeError::invalid(
                     "reward",
@@ -255,8 +291,8 @@ impl RewardPipeline {
         invalid_actions: &[usize],
         metrics: &EpisodeMetrics,
     ) -> Result<Vec<f64>> {
-        if self.external_functions().next().is_some() {
-            return Err(TroupeError::invalid("rewards.functions", "external reward values are needed (see shaped_step_rewards)"));
+        if self.computed_functions().next().is_some() {
+            return Err(TroupeError::invalid("rewards.functions", "computed reward values are needed (see shaped_step_rewards)"));
         }
         if returns.len() != invalid_actions.len() {
             return Err(TroupeError::invalid(
@@ -267,7 +303,7 @@ impl RewardPipeline {
         returns
             .iter()
             .zip(invalid_actions)
-            .map(|(&env_return, &invalid_actions)| self.reward(&SeatOutcome { env_return, invalid_actions, metrics, external: &[] }))
+            .map(|(&env_return, &invalid_actions)| self.reward(&SeatOutcome { env_return, invalid_actions, metrics, computed: &[] }))
             .collect()
     }
 }
@@ -311,7 +347,7 @@ mod tests {
         )
         .unwrap();
         let m = metrics(0.0);
-        let outcome = SeatOutcome { env_return: 2.0, invalid_actions: 0, metrics: &m, external: &[] };
+        let outcome = SeatOutcome { env_return: 2.0, invalid_actions: 0, metrics: &m, computed: &[] };
         assert_eq!(scale_then_clamp.reward(&outcome).unwrap(), 5.0);
         assert_eq!(clamp_then_scale.reward(&outcome).unwrap(), 20.0);
     }
@@ -331,7 +367,7 @@ mod tests {
         // seat 0: 3 + 0.5 * 4 - 2 * 1 = 3; seat 1: -1 + 2 - 2 * 3 = -5.
         let rewards = pipeline.episode_rewards(&[3.0, -1.0], &[1, 3], &m).unwrap();
         assert_eq!(rewards, vec![3.0, -5.0]);
-        let outcome = SeatOutcome { env_return: 3.0, invalid_actions: 1, metrics: &m, external: &[] };
+        let outcome = SeatOutcome { env_return: 3.0, invalid_actions: 1, metrics: &m, computed: &[] };
         assert_eq!(pipeline.raw(&outcome).unwrap(), 3.0);
     }
 

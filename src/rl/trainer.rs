@@ -13,13 +13,13 @@ use std::time::Instant;
 use burn::tensor::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use troupe_envs::{Action, Environment, Registry};
+use troupe_envs::{Action, Environment, Registry, RewardFn, RewardInput};
 
 use super::advantage::{like_turn_advantages, mean_std};
 use super::external_reward::{ExternalRewards, RewardItem};
 use super::flops::FlopModel;
 use super::loss::{k3_estimate, policy_loss, TokenWeights};
-use super::rewards::{RewardPipeline, SeatOutcome};
+use super::rewards::{RewardFunction, RewardPipeline, SeatOutcome};
 use super::rollout::{make_env, prompt_text, run_episodes, ChoiceTurn, EpisodeRecord, RolloutConfig};
 use crate::adapters::optim::{adapter_grads, grad_norm_squared, scale_grads, AdapterGrads};
 use crate::adapters::{AdamWConfig, AdamWState, AdapterMode, MultiAdapterManager};
@@ -145,6 +145,8 @@ pub struct MagrpoTrainer {
     settings: TrainerSettings,
     registry: Registry,
     external_rewards: ExternalRewards,
+    /// The registered reward functions the pipeline lists, in order.
+    registered_rewards: Vec<RewardFn>,
 }
 
 /// What one backward pass over an iteration's samples produced.
@@ -199,8 +201,15 @@ impl MagrpoTrainer {
         }
         make_env(&registry, &settings.env_spec)?;
         let rng = ChaCha8Rng::seed_from_u64(settings.seed);
+        let mut registered_rewards = Vec::new();
+        for function in settings.rewards.functions() {
+            if let RewardFunction::Registered(name) = &function.name {
+                let found = registry.reward(name).ok_or_else(|| TroupeError::invalid("rewards.functions", format!("no reward function {name:?} is registered")))?;
+                registered_rewards.push(found);
+            }
+        }
         let external_rewards = ExternalRewards::start(&settings.rewards)?;
-        Ok(Self { model, manager, optimizer_states: BTreeMap::new(), iteration: 0, rng, settings, registry, external_rewards })
+        Ok(Self { model, manager, optimizer_states: BTreeMap::new(), iteration: 0, rng, settings, registry, external_rewards, registered_rewards })
     }
 
     /// The settings the trainer was built with.
@@ -228,10 +237,11 @@ impl MagrpoTrainer {
         peak * (1.0 - (1.0 - s.lr_final_fraction) * progress.min(1.0))
     }
 
-    /// The external reward functions' values for `episodes`, `[episode][seat][function]`, from
-    /// one exchange per function (empty lists when there is none).
-    fn external_reward_values(&self, episodes: &[&EpisodeRecord]) -> Result<Vec<Vec<Vec<f64>>>> {
-        if self.external_rewards.is_empty() {
+    /// The computed reward functions' values for `episodes`, `[episode][seat][function]` in the
+    /// pipeline's order: registered functions called per seat, external ones with one exchange
+    /// per function (empty lists when there is none).
+    fn computed_reward_values(&self, episodes: &[&EpisodeRecord]) -> Result<Vec<Vec<Vec<f64>>>> {
+        if self.external_rewards.is_empty() && self.registered_rewards.is_empty() {
             return Ok(episodes.iter().map(|e| vec![Vec::new(); e.env_returns.len()]).collect());
         }
         let decode = |ids: &[u32]| self.model.tokenizer.decode(ids, true);
@@ -251,7 +261,31 @@ impl MagrpoTrainer {
                 metrics: episode.metrics.clone(),
             });
         }
-        self.external_rewards.score(&items)
+        let external = self.external_rewards.score(&items)?;
+        let mut values = Vec::with_capacity(items.len());
+        for ((item, episode), external) in items.iter().zip(episodes).zip(external) {
+            let mut per_seat = Vec::with_capacity(item.returns.len());
+            for (seat, external) in external.into_iter().enumerate() {
+                let invalid_actions = episode.turns.iter().filter(|t| t.seat == seat && t.invalid).count();
+                let input = RewardInput { seat, env_return: item.returns[seat], invalid_actions, metrics: &item.metrics, completions: &item.completions[seat] };
+                let (mut external, mut registered) = (external.into_iter(), self.registered_rewards.iter());
+                let mut seat_values = Vec::new();
+                for function in self.settings.rewards.computed_functions() {
+                    let value = match function.name {
+                        RewardFunction::External => external.next(),
+                        _ => registered.next().map(|f| f(&input)),
+                    };
+                    let value = value.ok_or_else(|| TroupeError::invalid("rewards.functions", format!("`{}` gave no value", function.name.name())))?;
+                    if !value.is_finite() {
+                        return Err(TroupeError::invalid("rewards.functions", format!("reward function `{}` gave {value} for seat {seat}", function.name.name())));
+                    }
+                    seat_values.push(value);
+                }
+                per_seat.push(seat_values);
+            }
+            values.push(per_seat);
+        }
+        Ok(values)
     }
 
     /// Plays the iteration's rollouts: `groups_per_iteration` starts x `group_size` episodes,
@@ -515,7 +549,7 @@ impl MagrpoTrainer {
         let rollout_seconds = started.elapsed().as_secs_f64();
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
         let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
-        let external = self.external_reward_values(&episodes)?;
+        let external = self.computed_reward_values(&episodes)?;
         let mut external = external.iter();
         let shaped: Vec<Vec<Vec<Vec<f64>>>> = groups
             .iter()
@@ -629,7 +663,6 @@ impl MagrpoTrainer {
 /// its partners score after its move (with identity processors and `env_return` alone, a seat's
 /// rewards are exactly its environment rewards plus penalties).
 pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline, external: &[Vec<f64>]) -> Result<Vec<Vec<f64>>> {
-    use super::rewards::RewardFunction;
     let weight = |f: RewardFunction| pipeline.functions().iter().filter(|w| w.name == f).map(|w| w.weight).sum::<f64>();
     let (w_env, w_invalid) = (weight(RewardFunction::EnvReturn), weight(RewardFunction::InvalidActions));
     let seats = episode.env_returns.len();
@@ -647,7 +680,7 @@ pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline, e
     if steps > 0 {
         for seat in 0..seats {
             let values = external.get(seat).map_or(&[][..], Vec::as_slice);
-            let outcome = SeatOutcome { env_return: env_return[seat], invalid_actions: invalid[seat], metrics: &episode.metrics, external: values };
+            let outcome = SeatOutcome { env_return: env_return[seat], invalid_actions: invalid[seat], metrics: &episode.metrics, computed: values };
             let processed = pipeline.reward(&outcome)?;
             let so_far: f64 = rewards[seat].iter().sum();
             rewards[seat][steps - 1] += processed - so_far;
