@@ -15,7 +15,7 @@
 //! action:   {mode: free, invalid_penalty: -1.0, fallback: random, max_retries: 1, max_new_tokens: 16,
 //!            temperature: 1.0, top_p: 1.0, top_k: 0, chat_template: true}
 //! training: {group_size: 4, groups_per_iteration: 2, lr: 1.0e-4, warmup_iterations: 0, max_grad_norm: 1.0,
-//!            weight_decay: 0.0, beta1: 0.9, beta2: 0.999, normalize_std: true, kl_coef: 0.0, gamma: 1.0,
+//!            weight_decay: 0.0, beta1: 0.9, beta2: 0.999, advantage: mean, scale_rewards: group, kl_coef: 0.0, gamma: 1.0,
 //!            max_episode_steps: 50}
 //! rewards:  {functions: [{name: env_return, weight: 1.0}], processors: [{type: identity}]}
 //! eval:     {episodes: 20, seed: 1000000, baseline_seats: {}}
@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use serde_yaml::{Mapping, Value as Yaml};
 use troupe_envs::{EnvError, Environment, Registry};
 
+use super::advantage::{AdvantageBaseline, RewardScaling};
 use super::rewards::{RewardFunction, RewardPipeline, RewardProcessor, WeightedReward};
 use super::rollout::RolloutConfig;
 pub use super::rollout::{ActionMode, Fallback};
@@ -269,8 +270,11 @@ pub struct TrainingSection {
     pub beta1: f64,
     /// AdamW's second-moment decay.
     pub beta2: f64,
-    /// Divide advantages by the group's standard deviation.
-    pub normalize_std: bool,
+    /// What a return is compared with in its group: `mean` (GRPO), `max`, `rloo` (leave one
+    /// out) or `raw` (no baseline).
+    pub advantage: AdvantageBaseline,
+    /// Which standard deviation divides the advantages: `group`, `batch` or `none`.
+    pub scale_rewards: RewardScaling,
     /// Weight of the KL penalty to the base model (0: off).
     pub kl_coef: f64,
     /// Discount of later rewards when crediting a turn with its return.
@@ -314,7 +318,8 @@ impl Default for TrainingSection {
             weight_decay: 0.0,
             beta1: 0.9,
             beta2: 0.999,
-            normalize_std: true,
+            advantage: AdvantageBaseline::Mean,
+            scale_rewards: RewardScaling::Group,
             kl_coef: 0.0,
             gamma: 1.0,
             max_episode_steps: 50,
@@ -687,7 +692,8 @@ impl TrainConfig {
             lr_final_fraction: t.lr_final_fraction,
             total_iterations: self.run.iterations as u64,
             max_grad_norm: t.max_grad_norm,
-            normalize_std: t.normalize_std,
+            advantage: t.advantage,
+            scale_rewards: t.scale_rewards,
             gamma: t.gamma,
             kl_coef: t.kl_coef,
             rewards: self.reward_pipeline()?,

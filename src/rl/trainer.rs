@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use troupe_envs::{Action, Environment, Registry, RewardFn, RewardInput};
 
-use super::advantage::{like_turn_advantages, mean_std};
+use super::advantage::{estimate_turn_advantages, mean_std, scale_by_batch_std, AdvantageBaseline, RewardScaling};
 use super::external_reward::{ExternalRewards, RewardItem};
 use super::flops::FlopModel;
 use super::loss::{k3_estimate, policy_loss, TokenWeights};
@@ -51,8 +51,10 @@ pub struct TrainerSettings {
     pub total_iterations: u64,
     /// Per-agent gradient-norm clip (0: none).
     pub max_grad_norm: f64,
-    /// Divide advantages by the group std.
-    pub normalize_std: bool,
+    /// The group baseline of the advantages.
+    pub advantage: AdvantageBaseline,
+    /// Which std divides the advantages.
+    pub scale_rewards: RewardScaling,
     /// Discount of multi-turn returns.
     pub gamma: f64,
     /// Weight of the KL penalty to the base model (adapters switched off); 0 skips it.
@@ -312,7 +314,7 @@ impl MagrpoTrainer {
 
     /// Turns groups of episodes into weighted samples: per agent, each of its turns gets its
     /// seat's discounted return-to-go (`returns`, from [`turn_returns`]) against the group's at
-    /// the agent's same turn index.
+    /// the agent's same turn index (`training.advantage`), scaled by `training.scale_rewards`.
     fn samples(&self, groups: &[Vec<EpisodeRecord>], returns: &[Vec<Vec<f64>>]) -> Vec<Sample> {
         let mut samples = Vec::new();
         let agents: std::collections::BTreeSet<usize> = self.settings.seat_agents.iter().copied().collect();
@@ -323,7 +325,7 @@ impl MagrpoTrainer {
                     .zip(group_returns)
                     .map(|(e, r)| e.turns.iter().zip(r).filter(|(t, _)| t.agent == agent).map(|(_, g)| *g).collect())
                     .collect();
-                let advantages = like_turn_advantages(&per_episode, self.settings.normalize_std);
+                let advantages = estimate_turn_advantages(&per_episode, self.settings.advantage, self.settings.scale_rewards);
                 for (episode, adv) in group.iter().zip(advantages) {
                     for (turn, a) in episode.turns.iter().filter(|t| t.agent == agent).zip(adv) {
                         if turn.completion_ids.is_empty() {
@@ -335,6 +337,15 @@ impl MagrpoTrainer {
                         }
                         samples.push(Sample { agent, tokens, prompt_len: turn.prompt_ids.len(), advantage: a, choice: turn.choice.clone() });
                     }
+                }
+            }
+        }
+        if self.settings.scale_rewards == RewardScaling::Batch {
+            for &agent in &agents {
+                let mut advantages: Vec<f64> = samples.iter().filter(|s| s.agent == agent).map(|s| s.advantage).collect();
+                scale_by_batch_std(&mut advantages);
+                for (sample, a) in samples.iter_mut().filter(|s| s.agent == agent).zip(advantages) {
+                    sample.advantage = a;
                 }
             }
         }
@@ -732,7 +743,8 @@ mod tests {
             lr_final_fraction: 1.0,
             total_iterations: 10,
             max_grad_norm: 1.0,
-            normalize_std: true,
+            advantage: AdvantageBaseline::Mean,
+            scale_rewards: RewardScaling::Group,
             gamma: 1.0,
             kl_coef: 0.0,
             rewards: RewardPipeline::new(vec![crate::rl::rewards::WeightedReward::builtin(crate::rl::rewards::RewardFunction::EnvReturn, 1.0)], vec![]).unwrap(),
