@@ -5,6 +5,8 @@
 //!
 //! `cargo bench --bench adapters`
 
+#![allow(missing_docs)] // criterion_main! generates an undocumented `main`
+
 use burn::tensor::Device;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rand::{Rng, SeedableRng};
@@ -35,7 +37,8 @@ fn bench_adapters(c: &mut Criterion) {
     let model = Model::builtin(Preset::Small, 0, &device).unwrap();
     let vocab = model.tokenizer.vocab_size();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let rows: Vec<Vec<u32>> = (0..ROWS).map(|_| (0..LEN).map(|_| rng.random_range(1..vocab as u32)).collect()).collect();
+    let rows: Vec<Vec<u32>> =
+        (0..ROWS).map(|_| (0..LEN).map(|_| rng.random_range(1..vocab as u32)).collect()).collect();
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
     manager.create_adapters(8, &AdapterConfig::default()).unwrap();
     for (mode, train) in [("forward", false), ("forward_backward", true)] {
@@ -50,7 +53,8 @@ fn bench_adapters(c: &mut Criterion) {
                 group.bench_with_input(BenchmarkId::new("pass_per_adapter", format!("K{k}")), &k, |b, &k| {
                     b.iter(|| {
                         for agent in 0..k {
-                            let own: Vec<Vec<u32>> = (0..ROWS).filter(|i| i % k == agent).map(|i| rows[i].clone()).collect();
+                            let own: Vec<Vec<u32>> =
+                                (0..ROWS).filter(|i| i % k == agent).map(|i| rows[i].clone()).collect();
                             pass(&model, &manager, &own, &vec![Some(agent); own.len()], train);
                         }
                     })

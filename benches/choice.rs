@@ -8,6 +8,8 @@
 //!
 //! `cargo bench --bench choice`
 
+#![allow(missing_docs)] // criterion_main! generates an undocumented `main`
+
 use burn::tensor::Device;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
@@ -17,7 +19,7 @@ use troupe::generate::choice::{candidate_logliks, choice_log_policy, score_choic
 use troupe::generate::score_rows;
 use troupe::model::{Model, Preset};
 use troupe::rl::rollout::prompt_text;
-use troupe_envs::{Action, Environment, Registry};
+use troupe_envs::{Action, Registry};
 
 /// Prompts and legal actions' tokens of `n` decisions met in random games.
 fn decisions(model: &Model, n: usize) -> Vec<(Vec<u32>, Vec<Vec<u32>>)> {
@@ -54,7 +56,8 @@ fn bench_choice(c: &mut Criterion) {
         "64 decisions: {:.1} prompt tokens and {:.1} legal actions of {:.1} tokens on average; {tokens} packed tokens",
         all.iter().map(|(p, _)| p.len()).sum::<usize>() as f64 / 64.0,
         all.iter().map(|(_, c)| c.len()).sum::<usize>() as f64 / 64.0,
-        all.iter().flat_map(|(_, c)| c.iter().map(Vec::len)).sum::<usize>() as f64 / all.iter().map(|(_, c)| c.len()).sum::<usize>() as f64,
+        all.iter().flat_map(|(_, c)| c.iter().map(Vec::len)).sum::<usize>() as f64
+            / all.iter().map(|(_, c)| c.len()).sum::<usize>() as f64,
     );
     let view = |d: &[(Vec<u32>, Vec<Vec<u32>>)]| -> Vec<(Vec<u32>, Vec<Vec<u32>>)> { d.to_vec() };
     let mut group = c.benchmark_group("choice_scoring");
@@ -103,7 +106,8 @@ fn bench_choice(c: &mut Criterion) {
         b.iter(|| {
             let (delta, _used) = manager.mixed(&agents, true).unwrap();
             let packed = PackedChoices::new(&model.lm, &refs).unwrap();
-            let log_policy = choice_log_policy(candidate_logliks(&model.lm, &packed, ChoiceScore::Mean, Some(&delta)).unwrap(), 1.0);
+            let log_policy =
+                choice_log_policy(candidate_logliks(&model.lm, &packed, ChoiceScore::Mean, Some(&delta)).unwrap(), 1.0);
             log_policy.narrow(1, 0, 1).sum().neg().backward()
         })
     });

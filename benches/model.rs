@@ -4,6 +4,8 @@
 //!
 //! `cargo bench --bench model` (criterion prints elements/s = tokens/s).
 
+#![allow(missing_docs)] // criterion_main! generates an undocumented `main`
+
 use burn::tensor::{Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};

@@ -15,15 +15,16 @@ pub fn parse_device(name: &str) -> Result<Device> {
         #[cfg(feature = "cuda")]
         _ if name == "cuda" || name.starts_with("cuda:") => {
             let index = match name.strip_prefix("cuda:") {
-                Some(i) => i.parse::<usize>().map_err(|_| TroupeError::invalid("device", format!("bad CUDA index in {name:?}")))?,
+                Some(i) => i
+                    .parse::<usize>()
+                    .map_err(|_| TroupeError::invalid("device", format!("bad CUDA index in {name:?}")))?,
                 None => 0,
             };
             Ok(Device::cuda(index))
         }
-        _ if name.starts_with("cuda") => Err(TroupeError::invalid(
-            "device",
-            format!("{name:?} needs troupe built with `--features cuda`"),
-        )),
+        _ if name.starts_with("cuda") => {
+            Err(TroupeError::invalid("device", format!("{name:?} needs troupe built with `--features cuda`")))
+        }
         _ => Err(TroupeError::invalid("device", format!("unknown device {name:?} (known: {DEVICE_NAMES})"))),
     }
 }

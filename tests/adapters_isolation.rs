@@ -18,14 +18,25 @@ fn setup() -> (Model, MultiAdapterManager, Vec<Vec<u32>>) {
     let model = Model::from_dir(&dir, &device).unwrap();
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
     manager.load_adapters(&dir.join("adapters")).unwrap();
-    let texts = ["Player 1 hints red. Play card 0.", "def main(xs):\n    return helper(xs)", "North opens 1NT.", "Discard card 3 now."];
+    let texts = [
+        "Player 1 hints red. Play card 0.",
+        "def main(xs):\n    return helper(xs)",
+        "North opens 1NT.",
+        "Discard card 3 now.",
+    ];
     let rows = texts.iter().map(|t| model.tokenizer.encode(t).unwrap()).collect();
     (model, manager, rows)
 }
 
 /// Sum over rows of `weights[row]` x (sum of the row's real next-token log-probs); the
 /// trainable adapters used are returned with it so their gradients can be read.
-fn weighted_loss(model: &Model, manager: &MultiAdapterManager, tokens: &[Vec<u32>], agents: &[Option<usize>], weights: &[f32]) -> (Tensor<1>, BTreeMap<String, LoraAdapter>) {
+fn weighted_loss(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    tokens: &[Vec<u32>],
+    agents: &[Option<usize>],
+    weights: &[f32],
+) -> (Tensor<1>, BTreeMap<String, LoraAdapter>) {
     let (delta, used) = manager.mixed(agents, true).unwrap();
     let batch = ScoringBatch::new(&model.lm, tokens).unwrap();
     let logprobs = next_token_logprobs(&model.lm, &batch, Some(&delta)).unwrap();
@@ -38,7 +49,13 @@ fn weighted_loss(model: &Model, manager: &MultiAdapterManager, tokens: &[Vec<u32
     ((logprobs * mask).sum().neg(), used)
 }
 
-fn grads_of(model: &Model, manager: &MultiAdapterManager, tokens: &[Vec<u32>], agents: &[Option<usize>], weights: &[f32]) -> BTreeMap<String, AdapterGrads> {
+fn grads_of(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    tokens: &[Vec<u32>],
+    agents: &[Option<usize>],
+    weights: &[f32],
+) -> BTreeMap<String, AdapterGrads> {
     let (loss, used) = weighted_loss(model, manager, tokens, agents, weights);
     let grads = loss.backward();
     used.iter().filter_map(|(name, adapter)| adapter_grads(adapter, &grads).map(|g| (name.clone(), g))).collect()
@@ -69,10 +86,14 @@ fn mixed_batch_gradients_equal_separate_passes() {
         let own_weights: Vec<f32> = rows.iter().map(|&r| weights[r]).collect();
         let alone = grads_of(&model, &manager, &own_tokens, &vec![Some(agent); rows.len()], &own_weights);
         let diff = max_diff(&mixed[name], &alone[name]);
-        let norm: f32 = mixed[name].values().map(|(a, _)| a.clone().abs().max().into_scalar::<f32>()).fold(0.0, f32::max);
+        let norm: f32 =
+            mixed[name].values().map(|(a, _)| a.clone().abs().max().into_scalar::<f32>()).fold(0.0, f32::max);
         // Equal up to float32 summation order: within 4e-6 of the gradient's scale (a row
         // leaking into another adapter's gradient would differ by a large fraction of it).
-        assert!(diff < 4e-6 * norm.max(1.0), "{name}: mixed-batch gradient differs from its own pass by {diff} (scale {norm})");
+        assert!(
+            diff < 4e-6 * norm.max(1.0),
+            "{name}: mixed-batch gradient differs from its own pass by {diff} (scale {norm})"
+        );
         assert!(norm > 1e-4, "{name}: the gradient is not trivially zero");
     }
 }
@@ -97,15 +118,16 @@ fn steps_on_one_agent_leave_the_others_byte_identical() {
     let adamw = AdamWConfig { lr: 1e-2, weight_decay: 0.1, ..AdamWConfig::default() };
     let mut states: BTreeMap<String, AdamWState> = BTreeMap::new();
     let base_before = model.lm.layers[0].self_attn.qkv_proj.weight_t.to_data().into_bytes().to_vec();
-    let step = |manager: &mut MultiAdapterManager, states: &mut BTreeMap<String, AdamWState>, agents: &[Option<usize>]| {
-        let grads = grads_of(&model, manager, &tokens, agents, &[1.0, 1.0, 1.0, 1.0]);
-        for (name, g) in grads {
-            let agent = name.strip_prefix("agent_").unwrap().parse::<usize>().unwrap();
-            let state = states.entry(name).or_default();
-            let updated = adamw.step(manager.adapter(agent).unwrap(), &g, state, adamw.lr);
-            manager.set_adapter(agent, updated).unwrap();
-        }
-    };
+    let step =
+        |manager: &mut MultiAdapterManager, states: &mut BTreeMap<String, AdamWState>, agents: &[Option<usize>]| {
+            let grads = grads_of(&model, manager, &tokens, agents, &[1.0, 1.0, 1.0, 1.0]);
+            for (name, g) in grads {
+                let agent = name.strip_prefix("agent_").unwrap().parse::<usize>().unwrap();
+                let state = states.entry(name).or_default();
+                let updated = adamw.step(manager.adapter(agent).unwrap(), &g, state, adamw.lr);
+                manager.set_adapter(agent, updated).unwrap();
+            }
+        };
     // Both agents learn once, so agent 1 has non-zero moments...
     step(&mut manager, &mut states, &[Some(0), Some(1), Some(0), Some(1)]);
     let adapter_1 = host(manager.adapter(1).unwrap());
@@ -150,7 +172,9 @@ fn shared_mode_step_equals_the_scaled_accumulation() {
         let g = grads_of(&model, &manager, &[tokens[row].clone()], &[agents[row]], &[scale]).remove("shared").unwrap();
         accumulated = Some(match accumulated {
             None => g,
-            Some(acc) => acc.into_iter().map(|(site, (a, b))| (site, (a + g[&site].0.clone(), b + g[&site].1.clone()))).collect(),
+            Some(acc) => {
+                acc.into_iter().map(|(site, (a, b))| (site, (a + g[&site].0.clone(), b + g[&site].1.clone()))).collect()
+            }
         });
     }
     let accumulated = accumulated.unwrap();
@@ -165,7 +189,10 @@ fn shared_mode_step_equals_the_scaled_accumulation() {
     }
     let tmp = tempfile::tempdir().unwrap();
     manager.save_adapters(&tmp.path().join("a")).unwrap();
-    let saved: Vec<String> = std::fs::read_dir(tmp.path().join("a")).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let saved: Vec<String> = std::fs::read_dir(tmp.path().join("a"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
     let mut saved = saved;
     saved.sort();
     assert_eq!(saved, vec!["shared".to_string(), "troupe.json".to_string()], "saved once, under shared/");

@@ -33,23 +33,33 @@ fn fixture_adapters_match_peft_alone_and_mixed() {
             for case in expected[key].as_array().unwrap() {
                 let ids_ = ids(&case["input_ids"]);
                 let (delta, _) = manager.mixed(&[Some(agent)], false).unwrap();
-                let got = score_rows(&model.lm, &[ids_.clone()], Some(&delta as &dyn ProjectionDelta)).unwrap().remove(0);
+                let got = score_rows(&model.lm, std::slice::from_ref(&ids_), Some(&delta as &dyn ProjectionDelta))
+                    .unwrap()
+                    .remove(0);
                 let diff = max_abs_diff(&got, &floats(&case["logprobs"]));
                 assert!(diff < 1e-3, "{} {key}: log-probs differ by {diff}", dir.display());
                 let logits = last_logits(&model.lm, &ids_, Some(&delta)).unwrap();
                 assert_eq!(top_k_ids(&logits, 5), ids(&case["last_top5_ids"]), "{} {key} top-5", dir.display());
-                let options = GenerateOptions { max_new_tokens: 16, sampling: SamplingConfig::greedy(), stop_at_eos: false, ..Default::default() };
+                let options = GenerateOptions {
+                    max_new_tokens: 16,
+                    sampling: SamplingConfig::greedy(),
+                    stop_at_eos: false,
+                    ..Default::default()
+                };
                 // The fixtures hold greedy continuations for the base only: with an adapter, the
                 // KV-cache path must agree with recomputing the whole sequence.
-                let cached = generate(&model.lm, &[], &[ids_.clone()], &options, Some(&delta)).unwrap();
-                let full = generate(&model.lm, &[], &[ids_], &GenerateOptions { use_cache: false, ..options }, Some(&delta)).unwrap();
+                let cached = generate(&model.lm, &[], std::slice::from_ref(&ids_), &options, Some(&delta)).unwrap();
+                let full =
+                    generate(&model.lm, &[], &[ids_], &GenerateOptions { use_cache: false, ..options }, Some(&delta))
+                        .unwrap();
                 assert_eq!(cached, full, "{} {key}: KV cache with adapter", dir.display());
             }
         }
         // One pass, three rows: agent_0, agent_1, bare base.
         let mixed = &expected["mixed_batch"];
         let names: Vec<&str> = mixed["adapter_names"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
-        let rows: Vec<Option<usize>> = names.iter().map(|n| n.strip_prefix("agent_").map(|i| i.parse().unwrap())).collect();
+        let rows: Vec<Option<usize>> =
+            names.iter().map(|n| n.strip_prefix("agent_").map(|i| i.parse().unwrap())).collect();
         let tokens: Vec<Vec<u32>> = mixed["rows"].as_array().unwrap().iter().map(|r| ids(&r["input_ids"])).collect();
         let (delta, _) = manager.mixed(&rows, false).unwrap();
         let got = score_rows(&model.lm, &tokens, Some(&delta)).unwrap();
@@ -70,7 +80,8 @@ fn saving_loaded_adapters_gives_the_original_tensors_and_round_trips() {
     let out = tmp.path().join("saved");
     manager.save_adapters(&out).unwrap();
     for name in ["agent_0", "agent_1"] {
-        let original = TensorStore::open_files(&[dir.join("adapters").join(name).join(WEIGHTS_FILE)], dir.clone()).unwrap();
+        let original =
+            TensorStore::open_files(&[dir.join("adapters").join(name).join(WEIGHTS_FILE)], dir.clone()).unwrap();
         let saved = TensorStore::open_files(&[out.join(name).join(WEIGHTS_FILE)], out.clone()).unwrap();
         assert_eq!(original.names(), saved.names(), "{name}: same tensor names");
         for tensor in original.names() {
@@ -79,12 +90,15 @@ fn saving_loaded_adapters_gives_the_original_tensors_and_round_trips() {
         let config_a = AdapterConfig::from_file(&dir.join("adapters").join(name).join("adapter_config.json")).unwrap();
         let config_b = AdapterConfig::from_file(&out.join(name).join("adapter_config.json")).unwrap();
         assert_eq!(config_a, config_b);
-        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join(name).join("adapter_config.json")).unwrap()).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join(name).join("adapter_config.json")).unwrap())
+                .unwrap();
         for (field, value) in [("peft_type", "LORA"), ("task_type", "CAUSAL_LM"), ("bias", "none")] {
             assert_eq!(json[field], value);
         }
     }
-    let manifest: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("troupe.json")).unwrap()).unwrap();
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("troupe.json")).unwrap()).unwrap();
     assert_eq!(manifest["mode"], "per_agent");
     assert_eq!(manifest["agents"]["1"], "agent_1");
 
@@ -108,7 +122,11 @@ fn a_fresh_adapter_leaves_the_base_output_unchanged() {
     let dir = models_dir().join("tiny-qwen2");
     let model = Model::from_dir(&dir, &device).unwrap();
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
-    let config = AdapterConfig { target_modules: troupe::model::Projection::ALL.to_vec(), use_rslora: true, ..AdapterConfig::default() };
+    let config = AdapterConfig {
+        target_modules: troupe::model::Projection::ALL.to_vec(),
+        use_rslora: true,
+        ..AdapterConfig::default()
+    };
     manager.create_adapters(2, &config).unwrap();
     let tokens = vec![model.tokenizer.encode("Player 1 hints red. Play card 0.").unwrap()];
     let base = score_rows(&model.lm, &tokens, None).unwrap();
@@ -166,14 +184,17 @@ fn bad_adapters_are_refused_by_name() {
     let err = load_error(&qwen3, &dir);
     assert!(err.contains("unknown target module \"gate_projection\""), "{err}");
 
-    let dir = broken_copy(&tmp.path().join("corrupt"), |d| std::fs::write(d.join(WEIGHTS_FILE), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json").unwrap());
+    let dir = broken_copy(&tmp.path().join("corrupt"), |d| {
+        std::fs::write(d.join(WEIGHTS_FILE), b"\x10\x00\x00\x00\x00\x00\x00\x00{not json").unwrap()
+    });
     let err = load_error(&qwen3, &dir);
     assert!(err.contains(WEIGHTS_FILE) && err.contains("not a"), "{err}");
 
     let manager = MultiAdapterManager::new(&qwen3.lm.config, &device);
     let err = manager.adapter_name(3).unwrap_err().to_string();
     assert!(err.contains("agent 3 has no adapter"), "{err}");
-    let single = read_adapter_dir(&models_dir().join("tiny-qwen3/adapters/agent_1"), &qwen3.lm.config, &device).unwrap();
+    let single =
+        read_adapter_dir(&models_dir().join("tiny-qwen3/adapters/agent_1"), &qwen3.lm.config, &device).unwrap();
     assert_eq!(single.config.r, 8);
 }
 
@@ -210,7 +231,8 @@ fn lora_dropout_applies_in_training_only() {
     let tokens = vec![model.tokenizer.encode("Player 1 hints red. Play card 0.").unwrap(); 2];
     let rows = [Some(0), Some(1)];
     let plain = score_rows(&model.lm, &tokens, Some(&manager.mixed(&rows, false).unwrap().0)).unwrap();
-    let train = |seed| score_rows(&model.lm, &tokens, Some(&manager.mixed_for_training(&rows, seed).unwrap().0)).unwrap();
+    let train =
+        |seed| score_rows(&model.lm, &tokens, Some(&manager.mixed_for_training(&rows, seed).unwrap().0)).unwrap();
     let (a, b) = (train(1), train(1));
     assert_eq!(a, b, "the dropout seed fixes the masks");
     // (The differentiable path rounds differently from the inference path by ~1e-6.)

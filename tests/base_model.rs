@@ -19,7 +19,7 @@ fn base_logprobs_top5_and_greedy_match_transformers() {
             let input_ids = model.tokenizer.encode(text).unwrap();
             assert_eq!(input_ids, ids(&case["input_ids"]), "{}: tokens of {text:?}", dir.display());
 
-            let logprobs = score_rows(&model.lm, &[input_ids.clone()], None).unwrap().remove(0);
+            let logprobs = score_rows(&model.lm, std::slice::from_ref(&input_ids), None).unwrap().remove(0);
             let diff = max_abs_diff(&logprobs, &floats(&case["logprobs"]));
             eprintln!("{}: {text:?} max log-prob diff {diff:.2e}", dir.file_name().unwrap().to_string_lossy());
             assert!(diff < 1e-3, "{}: log-probs of {text:?} differ by {diff}", dir.display());

@@ -25,16 +25,51 @@ fn logprobs_with_an_adapter_match_peft() {
     let case = &expected["agent_1"][0];
     let adapters = dir.join("adapters");
     let spec = format!("{}:agent_1", adapters.display());
-    let out = json_stdout(&troupe(&["logprobs", "--model", dir.to_str().unwrap(), "--adapter", &spec, "--text", case["text"].as_str().unwrap()]));
-    let diff = floats(&out["logprobs"]).iter().zip(floats(&case["logprobs"])).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    let out = json_stdout(&troupe(&[
+        "logprobs",
+        "--model",
+        dir.to_str().unwrap(),
+        "--adapter",
+        &spec,
+        "--text",
+        case["text"].as_str().unwrap(),
+    ]));
+    let diff =
+        floats(&out["logprobs"]).iter().zip(floats(&case["logprobs"])).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     assert!(diff < 1e-3, "{diff}");
     // An adapter's own directory works without :NAME; a directory of two needs it.
     let single = adapters.join("agent_1");
-    json_stdout(&troupe(&["generate", "--model", dir.to_str().unwrap(), "--adapter", single.to_str().unwrap(), "--prompt", "hi", "--max-new-tokens", "3"]));
-    let ambiguous = troupe(&["logprobs", "--model", dir.to_str().unwrap(), "--adapter", adapters.to_str().unwrap(), "--text", "hi"]);
+    json_stdout(&troupe(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--adapter",
+        single.to_str().unwrap(),
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "3",
+    ]));
+    let ambiguous = troupe(&[
+        "logprobs",
+        "--model",
+        dir.to_str().unwrap(),
+        "--adapter",
+        adapters.to_str().unwrap(),
+        "--text",
+        "hi",
+    ]);
     assert!(!ambiguous.status.success());
     assert!(String::from_utf8_lossy(&ambiguous.stderr).contains("several adapters (agent_0, agent_1)"));
-    let unknown = troupe(&["logprobs", "--model", dir.to_str().unwrap(), "--adapter", &format!("{}:agent_9", adapters.display()), "--text", "hi"]);
+    let unknown = troupe(&[
+        "logprobs",
+        "--model",
+        dir.to_str().unwrap(),
+        "--adapter",
+        &format!("{}:agent_9", adapters.display()),
+        "--text",
+        "hi",
+    ]);
     assert!(String::from_utf8_lossy(&unknown.stderr).contains("no adapter \"agent_9\""));
 }
 
@@ -60,11 +95,25 @@ fn merged_model_equals_base_plus_adapter() {
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("merged");
     let spec = format!("{}:agent_0", dir.join("adapters").display());
-    json_stdout(&troupe(&["adapters", "merge", "--model", dir.to_str().unwrap(), "--adapter", &spec, "--out", out_dir.to_str().unwrap()]));
+    json_stdout(&troupe(&[
+        "adapters",
+        "merge",
+        "--model",
+        dir.to_str().unwrap(),
+        "--adapter",
+        &spec,
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]));
     let text = "North opens 1NT; East doubles; the contract is 3NT.";
     let merged = json_stdout(&troupe(&["logprobs", "--model", out_dir.to_str().unwrap(), "--text", text]));
-    let with_adapter = json_stdout(&troupe(&["logprobs", "--model", dir.to_str().unwrap(), "--adapter", &spec, "--text", text]));
-    let diff = floats(&merged["logprobs"]).iter().zip(floats(&with_adapter["logprobs"])).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    let with_adapter =
+        json_stdout(&troupe(&["logprobs", "--model", dir.to_str().unwrap(), "--adapter", &spec, "--text", text]));
+    let diff = floats(&merged["logprobs"])
+        .iter()
+        .zip(floats(&with_adapter["logprobs"]))
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
     assert!(diff < 1e-4, "merged differs from base + adapter by {diff}");
     let base = json_stdout(&troupe(&["logprobs", "--model", dir.to_str().unwrap(), "--text", text]));
     assert_ne!(base["logprobs"], merged["logprobs"]);

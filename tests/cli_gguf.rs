@@ -60,11 +60,26 @@ fn logprobs_and_chat_generation_read_the_file() {
     let path = gguf("tiny-qwen3.gguf");
     let want = expected("tiny-qwen3.gguf");
     let case = &want["cases"][1];
-    let out = json_stdout(&troupe(&["logprobs", "--model", path.to_str().unwrap(), "--text", case["text"].as_str().unwrap()]));
+    let out = json_stdout(&troupe(&[
+        "logprobs",
+        "--model",
+        path.to_str().unwrap(),
+        "--text",
+        case["text"].as_str().unwrap(),
+    ]));
     assert_eq!(out["input_ids"], case["input_ids"]);
     let diff = common::max_abs_diff(&common::floats(&out["logprobs"]), &common::floats(&case["logprobs"]));
     assert!(diff < 1e-4, "{diff}");
-    let out = json_stdout(&troupe(&["generate", "--model", path.to_str().unwrap(), "--chat", "--prompt", "Your move?", "--max-new-tokens", "4"]));
+    let out = json_stdout(&troupe(&[
+        "generate",
+        "--model",
+        path.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "Your move?",
+        "--max-new-tokens",
+        "4",
+    ]));
     let prompt: Vec<u32> = common::ids(&out["prompt_ids"]);
     assert!(prompt.len() > 5 && prompt[0] == 1, "the ChatML template opens with <|im_start|> (id 1): {prompt:?}");
 }
@@ -76,18 +91,39 @@ fn an_adapter_merges_into_a_gguf_base() {
     let spec = format!("{}:agent_0", common::models_dir().join("tiny-llama/adapters").display());
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("merged");
-    json_stdout(&troupe(&["adapters", "merge", "--model", base.to_str().unwrap(), "--adapter", &spec, "--out", out_dir.to_str().unwrap()]));
-    for file in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"] {
+    json_stdout(&troupe(&[
+        "adapters",
+        "merge",
+        "--model",
+        base.to_str().unwrap(),
+        "--adapter",
+        &spec,
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]));
+    for file in
+        ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"]
+    {
         assert!(out_dir.join(file).exists(), "{file}");
     }
     let text = "Player 1 hints red. Play card 0.";
     let merged = json_stdout(&troupe(&["logprobs", "--model", out_dir.to_str().unwrap(), "--text", text]));
-    let with_adapter = json_stdout(&troupe(&["logprobs", "--model", base.to_str().unwrap(), "--adapter", &spec, "--text", text]));
+    let with_adapter =
+        json_stdout(&troupe(&["logprobs", "--model", base.to_str().unwrap(), "--adapter", &spec, "--text", text]));
     assert_eq!(merged["input_ids"], with_adapter["input_ids"]);
     let diff = common::max_abs_diff(&common::floats(&merged["logprobs"]), &common::floats(&with_adapter["logprobs"]));
     assert!(diff < 1e-4, "merged differs from GGUF base + adapter by {diff}");
     // The merged directory keeps the chat template.
-    let chat = json_stdout(&troupe(&["generate", "--model", out_dir.to_str().unwrap(), "--chat", "--prompt", "hi", "--max-new-tokens", "1"]));
+    let chat = json_stdout(&troupe(&[
+        "generate",
+        "--model",
+        out_dir.to_str().unwrap(),
+        "--chat",
+        "--prompt",
+        "hi",
+        "--max-new-tokens",
+        "1",
+    ]));
     assert_eq!(common::ids(&chat["prompt_ids"])[0], 1);
 }
 
@@ -103,7 +139,13 @@ fn a_config_names_a_gguf_model_path() {
     let model = troupe::rl::run::load_model(&config, &burn::tensor::Device::flex()).unwrap();
     assert_eq!(model.lm.config.model_type.as_str(), "qwen2");
     assert_eq!(config.adapter_config().base_model_name_or_path.as_deref(), Some(path.to_str().unwrap()));
-    let config = troupe::rl::config::TrainConfig::from_yaml_str("model: {path: missing.gguf}\n", Path::new("gguf.yaml"), &[], &registry).unwrap();
+    let config = troupe::rl::config::TrainConfig::from_yaml_str(
+        "model: {path: missing.gguf}\n",
+        Path::new("gguf.yaml"),
+        &[],
+        &registry,
+    )
+    .unwrap();
     let err = troupe::rl::run::load_model(&config, &burn::tensor::Device::flex()).err().unwrap().to_string();
     assert!(err.contains("missing.gguf"), "{err}");
 }

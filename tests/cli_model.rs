@@ -19,7 +19,9 @@ fn init_model_then_logprobs_and_generate() {
     let dir_s = dir.to_str().unwrap();
     let init = json_stdout(&troupe(&["init-model", "--out", dir_s, "--seed", "5"]));
     assert_eq!(init["parameters"], 918912);
-    for file in ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+    for file in
+        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    {
         assert!(dir.join(file).exists(), "{file} written");
     }
     let text = "Player 0 plays red 1.";
@@ -36,8 +38,32 @@ fn init_model_then_logprobs_and_generate() {
     let got: Vec<f32> = logprobs.iter().map(|v| v.as_f64().unwrap() as f32).collect();
     assert_eq!(got, expected[0]);
 
-    let gen = json_stdout(&troupe(&["generate", "--model", dir_s, "--prompt", "hint player", "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "2"]));
-    let again = json_stdout(&troupe(&["generate", "--model", dir_s, "--prompt", "hint player", "--max-new-tokens", "6", "--temperature", "0.8", "--seed", "2"]));
+    let gen = json_stdout(&troupe(&[
+        "generate",
+        "--model",
+        dir_s,
+        "--prompt",
+        "hint player",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "2",
+    ]));
+    let again = json_stdout(&troupe(&[
+        "generate",
+        "--model",
+        dir_s,
+        "--prompt",
+        "hint player",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "2",
+    ]));
     assert_eq!(gen["output_ids"], again["output_ids"]);
     assert!(gen["output_ids"].as_array().unwrap().len() <= 6);
     assert!(gen["text"].is_string() && gen["tokens_per_second"].as_f64().unwrap() > 0.0);

@@ -54,14 +54,22 @@ fn train_writes_a_run_directory_and_eval_reads_it() {
     assert_eq!(lines.len(), 2);
     for (i, line) in lines.iter().enumerate() {
         assert_eq!(line["iteration"], i as u64 + 1);
-        for key in ["mean_return", "std_return", "invalid_rate", "loss", "grad_norm", "lr", "tokens_per_second", "seconds"] {
+        for key in
+            ["mean_return", "std_return", "invalid_rate", "loss", "grad_norm", "lr", "tokens_per_second", "seconds"]
+        {
             assert!(line.get(key).is_some(), "metrics line has {key}: {line}");
         }
     }
     assert!(lines[0]["extra"]["format_warmup_nll_last"].as_f64().is_some(), "the warm-up is reported");
     for i in 0..=2 {
         let dir = run.join(format!("checkpoints/iteration-{i:06}"));
-        for file in ["adapters/troupe.json", "adapters/agent_0/adapter_model.safetensors", "adapters/agent_1/adapter_config.json", "optimizer.safetensors", "state.json"] {
+        for file in [
+            "adapters/troupe.json",
+            "adapters/agent_0/adapter_model.safetensors",
+            "adapters/agent_1/adapter_config.json",
+            "optimizer.safetensors",
+            "state.json",
+        ] {
             assert!(dir.join(file).exists(), "{}/{file}", dir.display());
         }
     }
@@ -78,10 +86,20 @@ fn train_writes_a_run_directory_and_eval_reads_it() {
     assert!(eval["adapters"].as_str().unwrap().ends_with("iteration-000002/adapters"));
     let untrained = run.join("checkpoints/iteration-000000");
     let baseline = json_stdout(&troupe(&[
-        "eval", "--config", config_s, "--adapters", untrained.to_str().unwrap(), "--set", "eval.baseline_seats={1: rule}",
+        "eval",
+        "--config",
+        config_s,
+        "--adapters",
+        untrained.to_str().unwrap(),
+        "--set",
+        "eval.baseline_seats={1: rule}",
     ]));
     assert_eq!(baseline["baseline_seats"]["1"], "rule");
-    assert_eq!(baseline["agent_return"].as_object().unwrap().keys().collect::<Vec<_>>(), vec!["0"], "only agent 0 plays");
+    assert_eq!(
+        baseline["agent_return"].as_object().unwrap().keys().collect::<Vec<_>>(),
+        vec!["0"],
+        "only agent 0 plays"
+    );
 
     // The same run again is refused rather than overwritten.
     let line = error_line(&troupe(&["train", "--config", config_s]));
@@ -111,7 +129,10 @@ fn a_killed_run_resumes_from_its_last_checkpoint() {
     let summary = json_stdout(&troupe(&["train", "--resume", run.to_str().unwrap(), "--quiet"]));
     assert_eq!(summary["iterations"], 6);
     let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
-    let iterations: Vec<u64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["iteration"].as_u64().unwrap()).collect();
+    let iterations: Vec<u64> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["iteration"].as_u64().unwrap())
+        .collect();
     assert_eq!(iterations, (1..=6).collect::<Vec<_>>(), "one line per iteration, none lost or doubled");
 }
 
@@ -132,11 +153,23 @@ fn bad_configs_and_arguments_give_one_clear_line() {
     let seats = write("seats.yaml", "agents: {num_agents: 1, seats: [0, 1]}\n");
     let line = error_line(&troupe(&["train", "--config", &seats]));
     assert!(line.contains("agents.seats"), "{line}");
-    let line = error_line(&troupe(&["train", "--config", &write("ok.yaml", "run: {iterations: 1}\n"), "--set", "training.lr=fast"]));
+    let line = error_line(&troupe(&[
+        "train",
+        "--config",
+        &write("ok.yaml", "run: {iterations: 1}\n"),
+        "--set",
+        "training.lr=fast",
+    ]));
     assert!(line.contains("training.lr"), "{line}");
     let line = error_line(&troupe(&["train", "--resume", tmp.path().join("missing").to_str().unwrap()]));
     assert!(line.contains("missing"), "{line}");
-    let line = error_line(&troupe(&["eval", "--config", &write("e.yaml", "run: {iterations: 1}\n"), "--adapters", tmp.path().join("none").to_str().unwrap()]));
+    let line = error_line(&troupe(&[
+        "eval",
+        "--config",
+        &write("e.yaml", "run: {iterations: 1}\n"),
+        "--adapters",
+        tmp.path().join("none").to_str().unwrap(),
+    ]));
     assert!(line.contains("none"), "{line}");
     let coding = write("coding.yaml", "env: {name: coding}\naction: {mode: constrained}\n");
     let line = error_line(&troupe(&["train", "--config", &coding]));

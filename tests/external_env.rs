@@ -44,9 +44,14 @@ fn snapshot(env: &dyn Environment) -> String {
 #[test]
 fn served_games_play_move_by_move_as_in_process() {
     let registry = Registry::with_builtins();
-    for (name, params) in [("hanabi", json!({"players": 2})), ("hanabi", json!({"players": 3, "observation": "compact"})), ("bridge", json!({}))] {
+    for (name, params) in [
+        ("hanabi", json!({"players": 2})),
+        ("hanabi", json!({"players": 3, "observation": "compact"})),
+        ("bridge", json!({})),
+    ] {
         let mut local: Vec<Box<dyn Environment>> = (0..6).map(|_| registry.make(name, &params).unwrap()).collect();
-        let mut remote: Vec<Box<dyn Environment>> = (0..6).map(|_| registry.make("external", &served(name, params.clone())).unwrap()).collect();
+        let mut remote: Vec<Box<dyn Environment>> =
+            (0..6).map(|_| registry.make("external", &served(name, params.clone())).unwrap()).collect();
         let seeds: Vec<u64> = (0..6).map(|i| 1000 + i).collect();
         for (env, &seed) in local.iter_mut().zip(&seeds) {
             env.reset(seed);
@@ -120,7 +125,8 @@ fn rollouts_through_the_protocol_equal_rollouts_in_process() {
         let records = run_episodes(&model, &manager, envs, &seeds, &[0, 1], &config, &mut rng).unwrap();
         format!("{records:?}")
     };
-    let mut local: Vec<Box<dyn Environment>> = seeds.iter().map(|_| registry.make("hanabi", &params).unwrap()).collect();
+    let mut local: Vec<Box<dyn Environment>> =
+        seeds.iter().map(|_| registry.make("hanabi", &params).unwrap()).collect();
     let mut remote: Vec<Box<dyn Environment>> =
         seeds.iter().map(|_| registry.make("external", &served("hanabi", params.clone())).unwrap()).collect();
     let (a, b) = (play(&mut local), play(&mut remote));
@@ -131,9 +137,7 @@ fn rollouts_through_the_protocol_equal_rollouts_in_process() {
 /// An external environment whose process is `sh -c SCRIPT`, with a short time limit.
 fn scripted(script: &str) -> Result<Box<dyn Environment>, String> {
     let registry = Registry::with_builtins();
-    registry
-        .make("external", &json!({"command": ["sh", "-c", script], "timeout_s": 1.0}))
-        .map_err(|e| e.to_string())
+    registry.make("external", &json!({"command": ["sh", "-c", script], "timeout_s": 1.0})).map_err(|e| e.to_string())
 }
 
 const HELLO: &str = r#"read l; echo '{"id":0,"result":{"name":"toy","num_seats":1}}'"#;
@@ -143,7 +147,10 @@ const STATE: &str = r#"{"acting_seats":[0],"terminal":false,"instructions":["i"]
 fn a_faulty_process_fails_clearly_and_never_hangs() {
     let started = Instant::now();
     let err = scripted("echo 'toy starting' >&2; exit 3").err().unwrap();
-    assert!(err.contains("sh -c") && err.contains("exited") && err.contains("3") && err.contains("toy starting"), "{err}");
+    assert!(
+        err.contains("sh -c") && err.contains("exited") && err.contains("3") && err.contains("toy starting"),
+        "{err}"
+    );
 
     let err = scripted("sleep 30").err().unwrap();
     assert!(err.contains("no answer to `init` within 1.0 s"), "{err}");
@@ -162,7 +169,9 @@ fn a_faulty_process_fails_clearly_and_never_hangs() {
 
     // A state that breaks the contract.
     let bad_state = STATE.replace(r#""returns":[0.0],"#, "");
-    let mut env = scripted(&format!("{HELLO}; read l; echo '{{\"id\":1,\"result\":{{\"states\":[{bad_state}]}}}}'; sleep 5")).unwrap();
+    let mut env =
+        scripted(&format!("{HELLO}; read l; echo '{{\"id\":1,\"result\":{{\"states\":[{bad_state}]}}}}'; sleep 5"))
+            .unwrap();
     let err = reset_all(std::slice::from_mut(&mut env), &[1]).unwrap_err().to_string();
     assert!(err.contains("answered `reset` wrongly") && err.contains("returns"), "{err}");
 
@@ -171,12 +180,17 @@ fn a_faulty_process_fails_clearly_and_never_hangs() {
     reset_all(std::slice::from_mut(&mut env), &[1]).unwrap();
     assert_eq!(env.observation(0), "o");
     let err = env.step(&[Action::Id(0)]).unwrap_err().to_string();
-    assert!(err.contains("exited") && err.contains("before answering `step`") && err.contains("Segmentation fault"), "{err}");
+    assert!(
+        err.contains("exited") && err.contains("before answering `step`") && err.contains("Segmentation fault"),
+        "{err}"
+    );
     assert!(env.is_terminal());
     assert_eq!(env.step(&[Action::Id(0)]).unwrap_err().to_string(), err, "a broken process stays broken");
 
     // An action the state did not list is refused before it is sent.
-    let mut env = scripted(&format!("{HELLO}; read l; echo '{{\"id\":1,\"result\":{{\"states\":[{STATE}]}}}}'; sleep 5")).unwrap();
+    let mut env =
+        scripted(&format!("{HELLO}; read l; echo '{{\"id\":1,\"result\":{{\"states\":[{STATE}]}}}}'; sleep 5"))
+            .unwrap();
     env.reset(1);
     let err = env.step(&[Action::Id(4)]).unwrap_err().to_string();
     assert!(err.contains("not a legal action of seat 0"), "{err}");
@@ -313,7 +327,8 @@ fn python_reward(dir: &std::path::Path, body: &str) -> Vec<String> {
 
 fn pipeline(command: Vec<String>) -> troupe::rl::rewards::RewardPipeline {
     use troupe::rl::rewards::{RewardFunction, RewardPipeline, WeightedReward};
-    let external = WeightedReward { command, timeout_s: Some(5.0), ..WeightedReward::builtin(RewardFunction::External, 2.0) };
+    let external =
+        WeightedReward { command, timeout_s: Some(5.0), ..WeightedReward::builtin(RewardFunction::External, 2.0) };
     RewardPipeline::new(vec![WeightedReward::builtin(RewardFunction::EnvReturn, 1.0), external], vec![]).unwrap()
 }
 
@@ -340,7 +355,8 @@ fn external_reward_functions_score_batches_and_their_faults_are_named() {
     // The pipeline adds the external value with its weight.
     let p = pipeline(vec!["unused".into()]);
     let metrics = [("score".to_string(), 0.0)].into_iter().collect();
-    let outcome = troupe::rl::rewards::SeatOutcome { env_return: 1.0, invalid_actions: 0, metrics: &metrics, computed: &[0.25] };
+    let outcome =
+        troupe::rl::rewards::SeatOutcome { env_return: 1.0, invalid_actions: 0, metrics: &metrics, computed: &[0.25] };
     assert_eq!(p.reward(&outcome).unwrap(), 1.5);
 
     for (body, expected) in [
@@ -393,12 +409,16 @@ fn a_training_run_calls_its_external_reward_with_every_episode() {
     while !run.finished() {
         run.run_iteration().unwrap();
     }
-    let calls: Vec<Value> = std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let calls: Vec<Value> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     assert_eq!(calls.len(), 2, "one call per iteration: {calls:?}");
     for call in &calls {
         assert_eq!(call[0], 4, "every episode of the iteration in one batch");
         let first_reply = call[1].as_str().unwrap();
-        assert!(["play", "discard", "hint", "reveal"].iter().any(|w| first_reply.contains(w)), "a Hanabi move: {first_reply}");
+        assert!(
+            ["play", "discard", "hint", "reveal"].iter().any(|w| first_reply.contains(w)),
+            "a Hanabi move: {first_reply}"
+        );
         assert!(call[2].get("score").is_some());
     }
 }

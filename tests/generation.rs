@@ -22,13 +22,14 @@ fn kv_cache_matches_full_recompute_on_a_ragged_batch() {
     for sampling in [SamplingConfig::greedy(), SamplingConfig { temperature: 0.9, top_k: 50, top_p: 0.95 }] {
         let options = GenerateOptions { max_new_tokens: 12, sampling, seed: 11, stop_at_eos: false, use_cache: true };
         let cached = generate(&model.lm, &[], &prompts, &options, None).unwrap();
-        let full = generate(&model.lm, &[], &prompts, &GenerateOptions { use_cache: false, ..options.clone() }, None).unwrap();
+        let full =
+            generate(&model.lm, &[], &prompts, &GenerateOptions { use_cache: false, ..options.clone() }, None).unwrap();
         assert_eq!(cached, full);
         assert!(cached.iter().all(|g| g.output_ids.len() == 12));
         if options.sampling.is_greedy() {
             // Each row alone gives what it gave inside the padded batch.
             for (prompt, batched) in prompts.iter().zip(&cached) {
-                let alone = generate(&model.lm, &[], &[prompt.clone()], &options, None).unwrap().remove(0);
+                let alone = generate(&model.lm, &[], std::slice::from_ref(prompt), &options, None).unwrap().remove(0);
                 assert_eq!(&alone, batched);
             }
         }
@@ -42,7 +43,7 @@ fn padded_scoring_equals_scoring_each_row_alone() {
     let prompts = prompts(&model);
     let batched = score_rows(&model.lm, &prompts, None).unwrap();
     for (prompt, row) in prompts.iter().zip(&batched) {
-        let alone = score_rows(&model.lm, &[prompt.clone()], None).unwrap().remove(0);
+        let alone = score_rows(&model.lm, std::slice::from_ref(prompt), None).unwrap().remove(0);
         let diff = alone.iter().zip(row).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(diff < 1e-5, "padding changed a row's log-probs by {diff}");
     }
@@ -67,7 +68,8 @@ fn seed_fixes_sampled_text_and_stops_apply() {
     assert_ne!(sampled(3), sampled(4));
 
     // Make the first greedy token of row 0 an EOS id: that row stops after it, others go on.
-    let greedy = GenerateOptions { max_new_tokens: 5, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
+    let greedy =
+        GenerateOptions { max_new_tokens: 5, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
     let first = generate(&model.lm, &[], &prompts, &greedy, None).unwrap();
     let eos = first[0].output_ids[0];
     let stopped = generate(&model.lm, &[eos], &prompts, &greedy, None).unwrap();

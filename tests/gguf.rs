@@ -166,7 +166,12 @@ fn bad_gguf_files_give_one_clear_error_each() {
 
     // An architecture troupe does not implement.
     let path = tmp.path().join("arch.gguf");
-    rewrite(&src, &path, |k, v| Some(if k == "general.architecture" { MetadataValue::String("gpt2".into()) } else { v }), same);
+    rewrite(
+        &src,
+        &path,
+        |k, v| Some(if k == "general.architecture" { MetadataValue::String("gpt2".into()) } else { v }),
+        same,
+    );
     let err = load_error(&path);
     assert!(err.contains("general.architecture") && err.contains("\"gpt2\" is not supported"), "{err}");
 
@@ -185,7 +190,12 @@ fn bad_gguf_files_give_one_clear_error_each() {
 
     // A SentencePiece tokenizer.
     let path = tmp.path().join("spm.gguf");
-    rewrite(&src, &path, |k, v| Some(if k == "tokenizer.ggml.model" { MetadataValue::String("llama".into()) } else { v }), same);
+    rewrite(
+        &src,
+        &path,
+        |k, v| Some(if k == "tokenizer.ggml.model" { MetadataValue::String("llama".into()) } else { v }),
+        same,
+    );
     let err = load_error(&path);
     assert!(err.contains("tokenizer.ggml.model \"llama\" is not supported"), "{err}");
 
@@ -193,7 +203,10 @@ fn bad_gguf_files_give_one_clear_error_each() {
     let path = tmp.path().join("shape.gguf");
     rewrite(&src, &path, |k, v| Some(if k == "qwen2.feed_forward_length" { MetadataValue::U32(192) } else { v }), same);
     let err = load_error(&path);
-    assert!(err.contains("shape.gguf") && err.contains("blk.0.ffn_gate.weight") && err.contains("expected [192, 64]"), "{err}");
+    assert!(
+        err.contains("shape.gguf") && err.contains("blk.0.ffn_gate.weight") && err.contains("expected [192, 64]"),
+        "{err}"
+    );
 
     // A required key missing, and one of the wrong type.
     let path = tmp.path().join("missing.gguf");
@@ -201,7 +214,12 @@ fn bad_gguf_files_give_one_clear_error_each() {
     let err = load_error(&path);
     assert!(err.contains("`qwen2.block_count` is missing"), "{err}");
     let path = tmp.path().join("wrongtype.gguf");
-    rewrite(&src, &path, |k, v| Some(if k == "qwen2.embedding_length" { MetadataValue::String("64".into()) } else { v }), same);
+    rewrite(
+        &src,
+        &path,
+        |k, v| Some(if k == "qwen2.embedding_length" { MetadataValue::String("64".into()) } else { v }),
+        same,
+    );
     let err = load_error(&path);
     assert!(err.contains("`qwen2.embedding_length` should be a non-negative integer"), "{err}");
 

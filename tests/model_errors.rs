@@ -19,7 +19,7 @@ fn copy_fixture(dir: &Path) -> PathBuf {
 }
 
 fn load_error(dir: &Path) -> String {
-    Model::from_dir(dir, &Device::flex()).err().expect("loading must fail").to_string()
+    Model::from_dir(dir, &Device::flex()).expect_err("loading must fail").to_string()
 }
 
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
@@ -95,7 +95,7 @@ fn sharded_checkpoint_loads_like_a_single_file() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = copy_fixture(tmp.path());
     let path = dir.join("model.safetensors");
-    let store = TensorStore::open_files(&[path.clone()], path.clone()).unwrap();
+    let store = TensorStore::open_files(std::slice::from_ref(&path), path.clone()).unwrap();
     let names = store.names();
     let (first, second) = names.split_at(names.len() / 2);
     let mut weight_map = serde_json::Map::new();
@@ -116,7 +116,7 @@ fn sharded_checkpoint_loads_like_a_single_file() {
     let sharded = Model::from_dir(&dir, &device).unwrap();
     let single = Model::from_dir(&common::models_dir().join("tiny-llama"), &device).unwrap();
     let ids = single.tokenizer.encode("Player 1 hints red.").unwrap();
-    let a = troupe::generate::score_rows(&sharded.lm, &[ids.clone()], None).unwrap();
+    let a = troupe::generate::score_rows(&sharded.lm, std::slice::from_ref(&ids), None).unwrap();
     let b = troupe::generate::score_rows(&single.lm, &[ids], None).unwrap();
     assert_eq!(a, b);
 }

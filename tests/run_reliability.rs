@@ -77,14 +77,17 @@ fn one_trainer_per_run_directory_and_a_dead_holder_is_no_obstacle() {
     let pid = first.id().to_string();
     // A second trainer on the same directory, and a resume of the running run: both refused,
     // naming the holder.
-    for args in [vec!["train", "--config", config_s, "--quiet"], vec!["train", "--resume", run.to_str().expect("utf-8")]] {
+    for args in
+        [vec!["train", "--config", config_s, "--quiet"], vec!["train", "--resume", run.to_str().expect("utf-8")]]
+    {
         let line = error_line(&troupe(&args));
         assert!(line.contains("in use") && line.contains(&pid), "{line}");
     }
     // Killed: the kernel drops its lock, and the run continues.
     first.kill().expect("kill");
     first.wait().expect("wait");
-    let summary = succeeds(&troupe(&["train", "--resume", run.to_str().expect("utf-8"), "--set", "run.iterations=1", "--quiet"]));
+    let summary =
+        succeeds(&troupe(&["train", "--resume", run.to_str().expect("utf-8"), "--set", "run.iterations=1", "--quiet"]));
     // Iteration 1, or later if the killed trainer got that far first.
     assert!(summary["iterations"].as_u64().is_some_and(|done| done >= 1), "{summary}");
 }
@@ -117,7 +120,10 @@ fn a_run_cut_off_in_its_first_checkpoint_resumes_with_one_command() {
     let summary = succeeds(&resumed);
     assert_eq!(summary["iterations"], 2);
     let said = stderr(&resumed);
-    assert!(said.contains("iteration-000001") && said.contains("unreadable") && said.contains("iteration-000000"), "{said}");
+    assert!(
+        said.contains("iteration-000001") && said.contains("unreadable") && said.contains("iteration-000000"),
+        "{said}"
+    );
     assert!(checkpoints.join("corrupt-iteration-000001").is_dir());
     assert_eq!(metric_iterations(&run), vec![1, 2]);
 
@@ -152,14 +158,31 @@ fn values_that_cannot_fit_are_refused_before_the_run_directory_exists() {
     for episodes in ["100000000000", "0"] {
         let out = tmp.path().join("games.jsonl");
         let line = error_line(&troupe(&[
-            "env", "record", "hanabi", "--episodes", episodes, "--seed", "1", "--policy", "random", "--out",
+            "env",
+            "record",
+            "hanabi",
+            "--episodes",
+            episodes,
+            "--seed",
+            "1",
+            "--policy",
+            "random",
+            "--out",
             out.to_str().expect("utf-8"),
         ]));
         assert!(line.contains("--episodes"), "{line}");
         assert!(!out.exists());
         let line = error_line(&troupe(&["env", "bench", "hanabi", "--episodes", episodes]));
         assert!(line.contains("--episodes"), "{line}");
-        let line = error_line(&troupe(&["eval", "--config", config_s, "--adapters", run.to_str().expect("utf-8"), "--episodes", episodes]));
+        let line = error_line(&troupe(&[
+            "eval",
+            "--config",
+            config_s,
+            "--adapters",
+            run.to_str().expect("utf-8"),
+            "--episodes",
+            episodes,
+        ]));
         assert!(line.contains("--episodes"), "{line}");
     }
 }
@@ -227,7 +250,8 @@ fn nan_weights_and_adapters_of_another_base_are_not_accepted_silently() {
         serde_json::from_str(&std::fs::read_to_string(adapters.join("troupe.json")).expect("manifest")).expect("json");
     assert!(manifest["base_fingerprint"].as_str().is_some_and(|f| f.starts_with("fnv1a64:")), "{manifest}");
     let spec = format!("{}:agent_0", adapters.display());
-    let other_base = troupe(&["logprobs", "--model", model.to_str().expect("utf-8"), "--adapter", &spec, "--text", "play card 1"]);
+    let other_base =
+        troupe(&["logprobs", "--model", model.to_str().expect("utf-8"), "--adapter", &spec, "--text", "play card 1"]);
     succeeds(&other_base);
     assert!(stderr(&other_base).contains("another base model"), "{}", stderr(&other_base));
     let same_base = troupe(&["logprobs", "--adapter", &spec, "--text", "play card 1"]);

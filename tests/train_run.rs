@@ -59,12 +59,16 @@ fn adapter_files(checkpoint: &Path) -> Vec<(PathBuf, Vec<u8>)> {
 
 /// The metrics that must replay exactly (everything but wall-clock timings).
 fn replayable(metrics: &[IterationMetrics]) -> Vec<IterationMetrics> {
-    metrics.iter().cloned().map(|mut m| {
-        m.seconds = 0.0;
-        m.tokens_per_second = 0.0;
-        m.extra.retain(|key, _| !key.starts_with("seconds_") && !key.starts_with("gflop_per_second_"));
-        m
-    }).collect()
+    metrics
+        .iter()
+        .cloned()
+        .map(|mut m| {
+            m.seconds = 0.0;
+            m.tokens_per_second = 0.0;
+            m.extra.retain(|key, _| !key.starts_with("seconds_") && !key.starts_with("gflop_per_second_"));
+            m
+        })
+        .collect()
 }
 
 fn metrics(run_dir: &Path) -> Vec<IterationMetrics> {
@@ -150,7 +154,7 @@ fn a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
         pair.b = pair.b.clone().mul_scalar(f32::NAN);
     }
     run.trainer.manager.set_adapter(0, adapter).unwrap();
-    let err = run.run_iteration().err().expect("a NaN loss is an error");
+    let err = run.run_iteration().expect_err("a NaN loss is an error");
     assert!(matches!(err, TroupeError::NonFinite { .. }), "{err:?}");
     let message = err.to_string();
     assert!(message.contains("iteration 2") && message.contains("NaN"), "{message}");
@@ -170,10 +174,11 @@ fn a_directory_holding_a_run_is_not_overwritten_and_resume_keeps_the_experiment(
     let dir = tmp.path().join("run");
     let run = start(config(&dir, 1, 1, &[]));
     drop(run);
-    let err = TrainingRun::start(config(&dir, 1, 1, &[]), Path::new("test.yaml"), Registry::with_builtins(), &Device::flex())
-        .err()
-        .unwrap()
-        .to_string();
+    let err =
+        TrainingRun::start(config(&dir, 1, 1, &[]), Path::new("test.yaml"), Registry::with_builtins(), &Device::flex())
+            .err()
+            .unwrap()
+            .to_string();
     assert!(err.contains("already holds a run") && err.contains("--resume"), "{err}");
     let err = TrainingRun::resume(&dir, &["training.lr=1.0".to_string()], Registry::with_builtins(), &Device::flex())
         .err()

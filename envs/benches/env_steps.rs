@@ -3,6 +3,8 @@
 //! `cargo bench -p troupe-envs --bench env_steps`; the throughput criterion prints is in
 //! environment steps (one move, call or card each) per second, policy time included.
 
+#![allow(missing_docs)] // criterion_main! generates an undocumented `main`
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use serde_json::json;
 use troupe_envs::policy::RandomPolicy;

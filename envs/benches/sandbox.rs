@@ -3,6 +3,8 @@
 //!
 //! `cargo bench -p troupe-envs --bench sandbox`
 
+#![allow(missing_docs)] // criterion_main! generates an undocumented `main`
+
 use std::process::{Command, Stdio};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};

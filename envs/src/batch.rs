@@ -36,7 +36,10 @@ pub fn reset_one(env: &mut dyn Environment, seed: u64) -> Result<(), EnvError> {
 
 /// Applies joint actions: `steps[k] = (i, actions)` steps `envs[i]` (each index at most once).
 /// Returns one result per entry of `steps`, in order, as [`Environment::step`] would.
-pub fn step_all(envs: &mut [Box<dyn Environment>], steps: &[(usize, Vec<Action>)]) -> Vec<Result<Vec<f64>, ActionError>> {
+pub fn step_all(
+    envs: &mut [Box<dyn Environment>],
+    steps: &[(usize, Vec<Action>)],
+) -> Vec<Result<Vec<f64>, ActionError>> {
     let mut results: Vec<Option<Result<Vec<f64>, ActionError>>> = vec![None; steps.len()];
     let mut groups: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for (k, (i, actions)) in steps.iter().enumerate() {

@@ -30,12 +30,16 @@ pub use registry::{parse_params, Registry, RewardFn, RewardInput};
 
 /// Registers every environment and baseline policy this crate ships into `registry`.
 pub fn register_builtins(registry: &mut Registry) {
-    registry.register("hanabi", "Hanabi with DeepMind HLE's exact rules, 2-5 players (variants full, small, very_small)", |p| {
-        Ok(Box::new(hanabi::HanabiEnv::from_params(p)?))
-    });
-    registry.register("bridge", "Contract bridge with OpenSpiel's rules: auction, play, duplicate scoring (or bidding only)", |p| {
-        Ok(Box::new(bridge::BridgeEnv::from_params(p)?))
-    });
+    registry.register(
+        "hanabi",
+        "Hanabi with DeepMind HLE's exact rules, 2-5 players (variants full, small, very_small)",
+        |p| Ok(Box::new(hanabi::HanabiEnv::from_params(p)?)),
+    );
+    registry.register(
+        "bridge",
+        "Contract bridge with OpenSpiel's rules: auction, play, duplicate scoring (or bidding only)",
+        |p| Ok(Box::new(bridge::BridgeEnv::from_params(p)?)),
+    );
     coding::CodingEnv::register(registry);
     writing::WritingEnv::register(registry);
     external::register(registry);

@@ -21,11 +21,15 @@ pub trait Policy: Send {
 /// Registers the built-in baseline policies: `random` (any game), `rule` (the rule-based Hanabi
 /// player) and `canonical` (the coding problems' reference code, [`crate::coding::CanonicalPolicy`]).
 pub fn register_builtin_policies(registry: &mut crate::registry::Registry) {
-    registry.register_policy("random", "uniformly random legal moves (an empty reply in text tasks)", || Box::new(RandomPolicy));
+    registry.register_policy("random", "uniformly random legal moves (an empty reply in text tasks)", || {
+        Box::new(RandomPolicy)
+    });
     registry.register_policy("rule", "a rule-based Hanabi player (plays hinted cards, hints playable ones)", || {
         Box::new(HanabiRulePolicy)
     });
-    registry.register_policy("canonical", "the coding problems' reference solutions", || Box::new(crate::coding::CanonicalPolicy));
+    registry.register_policy("canonical", "the coding problems' reference solutions", || {
+        Box::new(crate::coding::CanonicalPolicy)
+    });
 }
 
 /// Picks uniformly among the legal actions. In open-ended text environments (no finite action

@@ -123,7 +123,10 @@ impl Registry {
     where
         F: Fn(&RewardInput<'_>) -> f64 + Send + Sync + 'static,
     {
-        self.rewards.insert(name.to_string(), RewardEntry { description: description.to_string(), function: Arc::new(function) });
+        self.rewards.insert(
+            name.to_string(),
+            RewardEntry { description: description.to_string(), function: Arc::new(function) },
+        );
     }
 
     /// The registered reward function `name`, if any.
@@ -163,10 +166,7 @@ impl Registry {
             message: message.to_string(),
         };
         let object = spec.as_object().ok_or_else(|| bad("the env spec must be a mapping with a `name`"))?;
-        let name = object
-            .get("name")
-            .and_then(Value::as_str)
-            .ok_or_else(|| bad("missing or not a string"))?;
+        let name = object.get("name").and_then(Value::as_str).ok_or_else(|| bad("missing or not a string"))?;
         let mut params = object.clone();
         params.remove("name");
         self.make(name, &Value::Object(params))

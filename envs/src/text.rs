@@ -84,6 +84,27 @@ pub fn number_word(token: &str) -> Option<u32> {
     WORDS.iter().position(|w| *w == token).map(|i| i as u32)
 }
 
+/// The two texts of a two-seat text task's joint action (`actions[i]` is seat i's). Refuses a
+/// finished episode, a wrong action count, and an action id (`reason` says what the task takes).
+pub fn two_texts<'a>(
+    actions: &'a [crate::Action],
+    terminal: bool,
+    reason: &str,
+) -> Result<[&'a str; 2], crate::ActionError> {
+    use crate::{Action, ActionError};
+    if terminal {
+        return Err(ActionError::EpisodeOver);
+    }
+    let [first, second] = actions else {
+        return Err(ActionError::WrongActionCount { expected: 2, got: actions.len() });
+    };
+    let text = |action: &'a Action| match action {
+        Action::Text(text) => Ok(text.as_str()),
+        Action::Id(_) => Err(ActionError::Illegal { action: action.to_string(), reason: reason.to_string() }),
+    };
+    Ok([text(first)?, text(second)?])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -107,21 +128,4 @@ mod tests {
         assert_eq!(number_word("12"), Some(12));
         assert_eq!(number_word("red"), None);
     }
-}
-
-/// The two texts of a two-seat text task's joint action (`actions[i]` is seat i's). Refuses a
-/// finished episode, a wrong action count, and an action id (`reason` says what the task takes).
-pub fn two_texts<'a>(actions: &'a [crate::Action], terminal: bool, reason: &str) -> Result<[&'a str; 2], crate::ActionError> {
-    use crate::{Action, ActionError};
-    if terminal {
-        return Err(ActionError::EpisodeOver);
-    }
-    let [first, second] = actions else {
-        return Err(ActionError::WrongActionCount { expected: 2, got: actions.len() });
-    };
-    let text = |action: &'a Action| match action {
-        Action::Text(text) => Ok(text.as_str()),
-        Action::Id(_) => Err(ActionError::Illegal { action: action.to_string(), reason: reason.to_string() }),
-    };
-    Ok([text(first)?, text(second)?])
 }

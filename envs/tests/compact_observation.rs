@@ -15,7 +15,8 @@ const COLORS: [char; 5] = ['R', 'Y', 'G', 'W', 'B'];
 const COLOR_NAMES: [&str; 5] = ["red", "yellow", "green", "white", "blue"];
 
 fn env(players: usize, history: usize) -> HanabiEnv {
-    HanabiEnv::from_params(&serde_json::json!({"players": players, "observation": "compact", "history_moves": history})).unwrap()
+    HanabiEnv::from_params(&serde_json::json!({"players": players, "observation": "compact", "history_moves": history}))
+        .unwrap()
 }
 
 /// `1?1(RG)` -> (slot, color, rank, plausible colors, plausible ranks) as CardKnowledge holds them.
@@ -34,7 +35,8 @@ fn decode_knowledge(text: &str, colors: usize, ranks: usize) -> (usize, CardKnow
     if chars.len() > 3 {
         assert_eq!((chars[3], chars[chars.len() - 1]), ('(', ')'), "{text}");
         let inside = &chars[4..chars.len() - 1];
-        let listed_colors: Vec<u8> = inside.iter().filter_map(|c| COLORS.iter().position(|x| x == c)).map(|c| c as u8).collect();
+        let listed_colors: Vec<u8> =
+            inside.iter().filter_map(|c| COLORS.iter().position(|x| x == c)).map(|c| c as u8).collect();
         let listed_ranks: Vec<u8> = inside.iter().filter_map(|c| c.to_digit(10)).map(|r| (r - 1) as u8).collect();
         assert!(!listed_colors.is_empty() || !listed_ranks.is_empty(), "{text}");
         if !listed_colors.is_empty() {
@@ -114,7 +116,8 @@ fn check(env: &HanabiEnv, seat: usize) {
     }
     // Discards, as a multiset.
     let discards = line(&text, "Discards: ").unwrap().trim_end_matches('.');
-    let mut listed: Vec<String> = if discards == "none" { vec![] } else { discards.split(' ').map(String::from).collect() };
+    let mut listed: Vec<String> =
+        if discards == "none" { vec![] } else { discards.split(' ').map(String::from).collect() };
     let mut actual: Vec<String> = state.discards().iter().map(|c| c.to_string()).collect();
     listed.sort();
     actual.sort();
@@ -215,6 +218,9 @@ fn the_compact_observation_is_far_shorter() {
         }
     }
     let seat = compact.acting_seats()[0];
-    let (c, v) = (compact.observation(seat) + &compact.instructions(seat), verbose.observation(seat) + &verbose.instructions(seat));
+    let (c, v) = (
+        compact.observation(seat) + &compact.instructions(seat),
+        verbose.observation(seat) + &verbose.instructions(seat),
+    );
     assert!(c.len() * 3 < v.len(), "compact {} chars vs verbose {}", c.len(), v.len());
 }

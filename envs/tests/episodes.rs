@@ -129,7 +129,9 @@ fn a_person_can_play_a_seat() {
 fn hanabi_life_loss_penalty_shapes_rewards_but_not_the_score() {
     let registry = Registry::with_builtins();
     let mut plain = registry.make_from_spec(&serde_json::json!({"name": "hanabi", "players": 2})).unwrap();
-    let mut shaped = registry.make_from_spec(&serde_json::json!({"name": "hanabi", "players": 2, "life_loss_penalty": 0.5})).unwrap();
+    let mut shaped = registry
+        .make_from_spec(&serde_json::json!({"name": "hanabi", "players": 2, "life_loss_penalty": 0.5}))
+        .unwrap();
     plain.reset(11);
     shaped.reset(11);
     let mut lives_lost_seen = 0.0;
@@ -149,6 +151,10 @@ fn hanabi_life_loss_penalty_shapes_rewards_but_not_the_score() {
     assert!(shaped.is_terminal());
     assert_eq!(plain.metrics(), shaped.metrics(), "metrics, score included, are the game's");
     assert_eq!(shaped.returns()[0], plain.returns()[0] - 0.5 * lives_lost_seen);
-    let err = registry.make_from_spec(&serde_json::json!({"name": "hanabi", "life_loss_penalty": -1.0})).err().unwrap().to_string();
+    let err = registry
+        .make_from_spec(&serde_json::json!({"name": "hanabi", "life_loss_penalty": -1.0}))
+        .err()
+        .unwrap()
+        .to_string();
     assert!(err.contains("life_loss_penalty"), "{err}");
 }

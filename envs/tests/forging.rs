@@ -94,7 +94,10 @@ fn every_forging_attempt_fails_and_the_honest_solution_passes() {
     assert_eq!(honest.asserts_passed, 4);
     let mut held = 0;
     for ((name, _), evaluation) in attacks.iter().zip(forged) {
-        eprintln!("{name}: {:?}, {}/{} asserts", evaluation.verdict, evaluation.asserts_passed, evaluation.asserts_total);
+        eprintln!(
+            "{name}: {:?}, {}/{} asserts",
+            evaluation.verdict, evaluation.asserts_passed, evaluation.asserts_total
+        );
         assert_ne!(evaluation.verdict, Verdict::Passed, "{name} forged a pass: {evaluation:?}");
         assert_eq!(evaluation.asserts_passed, 0, "{name} forged an assert: {evaluation:?}");
         held += 1;

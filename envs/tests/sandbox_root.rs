@@ -154,7 +154,7 @@ fn root_refuses_to_hand_its_identity_to_the_code_unless_told_to() {
         memory_mb: 256,
         ..SandboxConfig::default()
     };
-    let err = Sandbox::new(config.clone()).err().expect("root's identity is not handed over silently").to_string();
+    let err = Sandbox::new(config.clone()).expect_err("root's identity is not handed over silently").to_string();
     assert!(err.contains("run_as_root") && err.contains("nobody"), "{err}");
     let allowed = Sandbox::new(SandboxConfig { run_as_root: true, ..config }).expect("explicitly allowed");
     let line = allowed.protections().to_string();

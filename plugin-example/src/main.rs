@@ -116,7 +116,10 @@ impl Environment for SignalGame {
             .into_iter()
             .find(|a| a.text == wanted)
             .map(|a| Action::Id(a.id))
-            .ok_or_else(|| ActionError::Unparseable { text: text.to_string(), reason: "expected one of the legal actions".into() })
+            .ok_or_else(|| ActionError::Unparseable {
+                text: text.to_string(),
+                reason: "expected one of the legal actions".into(),
+            })
     }
 
     fn step(&mut self, actions: &[Action]) -> Result<Vec<f64>, ActionError> {
@@ -126,7 +129,10 @@ impl Environment for SignalGame {
         };
         let id = *id as usize;
         if id >= self.colours {
-            return Err(ActionError::Illegal { action: id.to_string(), reason: format!("there are {} choices", self.colours) });
+            return Err(ActionError::Illegal {
+                action: id.to_string(),
+                reason: format!("there are {} choices", self.colours),
+            });
         }
         if seat == 0 {
             self.signal = Some(id);
@@ -176,10 +182,14 @@ impl Policy for OraclePolicy {
 
 /// What this plug-in adds to a registry.
 fn register(registry: &mut Registry) {
-    registry.register("signal", "a cooperative signalling game: seat 0 signals a secret colour, seat 1 guesses it", |params| {
-        Ok(Box::new(SignalGame::from_params(params)?))
+    registry.register(
+        "signal",
+        "a cooperative signalling game: seat 0 signals a secret colour, seat 1 guesses it",
+        |params| Ok(Box::new(SignalGame::from_params(params)?)),
+    );
+    registry.register_policy("oracle", "plays the signal game perfectly (signal i means colour i)", || {
+        Box::new(OraclePolicy)
     });
-    registry.register_policy("oracle", "plays the signal game perfectly (signal i means colour i)", || Box::new(OraclePolicy));
     // A reward function configs can list beside the built-in ones:
     // `rewards: {functions: [{name: env_return}, {name: brevity, weight: 0.1}]}`.
     registry.register_reward("brevity", "minus the characters of the seat's replies, in hundreds", |input| {

@@ -24,7 +24,8 @@ fn run(args: &[&str]) -> Output {
 }
 
 fn json(output: &Output) -> serde_json::Value {
-    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&output.stdout)))
+    serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&output.stdout)))
 }
 
 /// Small settings for a test run writing to `out`.
@@ -56,7 +57,10 @@ fn adapter_bytes(checkpoint: &Path) -> Vec<(String, Vec<u8>)> {
         if agent.is_dir() {
             for file in std::fs::read_dir(&agent).unwrap() {
                 let file = file.unwrap().path();
-                files.push((file.display().to_string().replace(&*checkpoint.display().to_string(), ""), std::fs::read(&file).unwrap()));
+                files.push((
+                    file.display().to_string().replace(&*checkpoint.display().to_string(), ""),
+                    std::fs::read(&file).unwrap(),
+                ));
             }
         }
     }
@@ -73,7 +77,8 @@ fn the_plugin_environment_and_policy_reach_every_command() {
 
     let oracle = json(&run(&["env", "bench", "signal", "--episodes", "200", "--policy", "oracle"]));
     assert_eq!(oracle["mean_score"], 1.0, "{oracle}");
-    let random = json(&run(&["env", "bench", "signal", "--episodes", "3000", "--policy", "random", "--set", "colours=3"]));
+    let random =
+        json(&run(&["env", "bench", "signal", "--episodes", "3000", "--policy", "random", "--set", "colours=3"]));
     let mean = random["mean_score"].as_f64().unwrap();
     assert!((mean - 1.0 / 3.0).abs() < 0.03, "random play scores 1/3, got {mean}");
 
@@ -91,7 +96,8 @@ fn the_plugin_environment_and_policy_reach_every_command() {
     let message = String::from_utf8_lossy(&unknown.stderr);
     assert!(!unknown.status.success() && message.contains("terseness") && message.contains("brevity"), "{message}");
 
-    let bad = Command::new(BIN).args(["env", "bench", "signal", "--episodes", "5", "--set", "colours=9"]).output().unwrap();
+    let bad =
+        Command::new(BIN).args(["env", "bench", "signal", "--episodes", "5", "--set", "colours=9"]).output().unwrap();
     assert!(!bad.status.success());
     let message = String::from_utf8_lossy(&bad.stderr);
     assert!(message.contains("colours") && message.contains("9"), "{message}");

@@ -135,11 +135,15 @@ impl AdapterConfig {
                 return Err(bad("bias", &format!("{bias:?} is not supported (only \"none\")")));
             }
         }
-        let r = field("r").and_then(Value::as_u64).ok_or_else(|| bad("r", "missing or not a positive integer"))? as usize;
+        let r =
+            field("r").and_then(Value::as_u64).ok_or_else(|| bad("r", "missing or not a positive integer"))? as usize;
         let config = Self {
             r,
             lora_alpha: field("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0),
-            target_modules: Self::parse_targets(field("target_modules").ok_or_else(|| bad("target_modules", "missing"))?, path)?,
+            target_modules: Self::parse_targets(
+                field("target_modules").ok_or_else(|| bad("target_modules", "missing"))?,
+                path,
+            )?,
             lora_dropout: field("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
             use_rslora: field("use_rslora").and_then(Value::as_bool).unwrap_or(false),
             base_model_name_or_path: field("base_model_name_or_path").and_then(Value::as_str).map(str::to_string),

@@ -92,7 +92,13 @@ impl LoraAdapter {
     /// Builds an adapter from PEFT-named tensors, checking every site against the base model:
     /// a tensor for an unknown layer or module, a missing factor, or a shape that does not fit
     /// `base` is an error naming the tensor. `origin` names the file in messages.
-    pub fn from_host(config: AdapterConfig, tensors: &BTreeMap<String, HostTensor>, base: &ModelConfig, origin: &Path, device: &Device) -> Result<Self> {
+    pub fn from_host(
+        config: AdapterConfig,
+        tensors: &BTreeMap<String, HostTensor>,
+        base: &ModelConfig,
+        origin: &Path,
+        device: &Device,
+    ) -> Result<Self> {
         let mut found: BTreeMap<Site, (Option<&HostTensor>, Option<&HostTensor>)> = BTreeMap::new();
         for (key, tensor) in tensors {
             let (site, factor) = parse_peft_key(key).ok_or_else(|| TroupeError::Safetensors {
@@ -111,7 +117,10 @@ impl LoraAdapter {
             if !config.target_modules.contains(&site.1) {
                 return Err(TroupeError::Safetensors {
                     path: origin.to_path_buf(),
-                    message: format!("tensor `{key}` targets {} which target_modules does not list", site.1.module_name()),
+                    message: format!(
+                        "tensor `{key}` targets {} which target_modules does not list",
+                        site.1.module_name()
+                    ),
                 });
             }
             let entry = found.entry(site).or_default();
@@ -129,7 +138,10 @@ impl LoraAdapter {
                 let (a, b) = found.get(&site).copied().unwrap_or((None, None));
                 let check = |tensor: Option<&HostTensor>, factor: char, expected: [usize; 2]| -> Result<Tensor<2>> {
                     let name = peft_key(site, factor);
-                    let tensor = tensor.ok_or_else(|| TroupeError::MissingTensor { path: origin.to_path_buf(), tensor: name.clone() })?;
+                    let tensor = tensor.ok_or_else(|| TroupeError::MissingTensor {
+                        path: origin.to_path_buf(),
+                        tensor: name.clone(),
+                    })?;
                     if tensor.shape != expected {
                         return Err(TroupeError::ShapeMismatch {
                             path: origin.to_path_buf(),
@@ -157,14 +169,16 @@ impl LoraAdapter {
     /// stays outside autodiff: burn treats its tensors as constants, so it never gets a gradient.
     pub fn trainable(&self) -> Self {
         let leaf = |t: &Tensor<2>| t.clone().without_autodiff().autodiff().require_grad();
-        let pairs = self.pairs.iter().map(|(site, pair)| (*site, LoraPair { a: leaf(&pair.a), b: leaf(&pair.b) })).collect();
+        let pairs =
+            self.pairs.iter().map(|(site, pair)| (*site, LoraPair { a: leaf(&pair.a), b: leaf(&pair.b) })).collect();
         Self { config: self.config.clone(), pairs }
     }
 
     /// This adapter's tensors outside autodiff (for inference, or after a training step).
     pub fn frozen(&self) -> Self {
         let plain = |t: &Tensor<2>| t.clone().without_autodiff();
-        let pairs = self.pairs.iter().map(|(site, pair)| (*site, LoraPair { a: plain(&pair.a), b: plain(&pair.b) })).collect();
+        let pairs =
+            self.pairs.iter().map(|(site, pair)| (*site, LoraPair { a: plain(&pair.a), b: plain(&pair.b) })).collect();
         Self { config: self.config.clone(), pairs }
     }
 
@@ -173,7 +187,9 @@ impl LoraAdapter {
         let pairs = self
             .pairs
             .iter()
-            .map(|(site, pair)| (*site, LoraPair { a: pair.a.clone().to_device(device), b: pair.b.clone().to_device(device) }))
+            .map(|(site, pair)| {
+                (*site, LoraPair { a: pair.a.clone().to_device(device), b: pair.b.clone().to_device(device) })
+            })
             .collect();
         Self { config: self.config.clone(), pairs }
     }

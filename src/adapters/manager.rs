@@ -80,7 +80,10 @@ impl MultiAdapterManager {
         self.mode = AdapterMode::PerAgent;
         for agent in 0..num_agents {
             let name = Self::default_name(agent);
-            self.adapters.insert(name.clone(), LoraAdapter::init(config.clone(), &self.base, seed.wrapping_add(agent as u64), &self.device));
+            self.adapters.insert(
+                name.clone(),
+                LoraAdapter::init(config.clone(), &self.base, seed.wrapping_add(agent as u64), &self.device),
+            );
             self.agents.insert(agent, name);
         }
         self.active = (num_agents > 0).then_some(0);
@@ -93,7 +96,8 @@ impl MultiAdapterManager {
         self.adapters.clear();
         self.agents.clear();
         self.mode = AdapterMode::Shared;
-        self.adapters.insert(SHARED_ADAPTER.to_string(), LoraAdapter::init(config.clone(), &self.base, seed, &self.device));
+        self.adapters
+            .insert(SHARED_ADAPTER.to_string(), LoraAdapter::init(config.clone(), &self.base, seed, &self.device));
         for agent in 0..num_agents {
             self.agents.insert(agent, SHARED_ADAPTER.to_string());
         }
@@ -219,7 +223,11 @@ impl MultiAdapterManager {
 
     /// Like [`MultiAdapterManager::mixed`] with trainable adapters, plus each adapter's
     /// `lora_dropout` on its rows' adapter input, masks seeded by `dropout_seed`.
-    pub fn mixed_for_training(&self, rows: &[Option<usize>], dropout_seed: u64) -> Result<(MixedLora, BTreeMap<String, LoraAdapter>)> {
+    pub fn mixed_for_training(
+        &self,
+        rows: &[Option<usize>],
+        dropout_seed: u64,
+    ) -> Result<(MixedLora, BTreeMap<String, LoraAdapter>)> {
         let rates = rows
             .iter()
             .map(|row| match row {

@@ -70,7 +70,9 @@ pub fn merge_into_model_dir(model_path: &Path, adapter: &LoraAdapter, out: &Path
     let scale = adapter.config.scale();
     for ((layer, projection), pair) in &adapter.pairs {
         let name = format!("model.layers.{layer}.{}.weight", projection.path());
-        let weight = tensors.get_mut(&name).ok_or_else(|| TroupeError::MissingTensor { path: model_dir.to_path_buf(), tensor: name.clone() })?;
+        let weight = tensors
+            .get_mut(&name)
+            .ok_or_else(|| TroupeError::MissingTensor { path: model_dir.to_path_buf(), tensor: name.clone() })?;
         let delta = pair.b.clone().to_device(device).matmul(pair.a.clone().to_device(device)) * scale;
         if delta.dims().as_slice() != weight.shape.as_slice() {
             return Err(TroupeError::ShapeMismatch {

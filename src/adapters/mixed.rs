@@ -59,7 +59,8 @@ impl MixedLora {
         for layer in 0..base.num_hidden_layers {
             for projection in Projection::ALL {
                 let site = (layer, projection);
-                let targeting: Vec<usize> = used.iter().copied().filter(|&k| adapters[k].pairs.contains_key(&site)).collect();
+                let targeting: Vec<usize> =
+                    used.iter().copied().filter(|&k| adapters[k].pairs.contains_key(&site)).collect();
                 if targeting.is_empty() {
                     continue;
                 }

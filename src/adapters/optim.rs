@@ -105,7 +105,15 @@ impl AdamWConfig {
         LoraAdapter { config: adapter.config.clone(), pairs }
     }
 
-    fn update(&self, param: Tensor<2>, grad: Tensor<2>, moments: &mut Moments, lr: f64, bias1: f64, bias2: f64) -> Tensor<2> {
+    fn update(
+        &self,
+        param: Tensor<2>,
+        grad: Tensor<2>,
+        moments: &mut Moments,
+        lr: f64,
+        bias1: f64,
+        bias2: f64,
+    ) -> Tensor<2> {
         moments.m = moments.m.clone() * self.beta1 + grad.clone() * (1.0 - self.beta1);
         moments.v = moments.v.clone() * self.beta2 + grad.square() * (1.0 - self.beta2);
         let denom = (moments.v.clone() / bias2).sqrt() + self.eps;

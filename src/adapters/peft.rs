@@ -69,8 +69,9 @@ pub fn check_base(dir: &Path, recorded: Option<&str>, current: Option<&str>) -> 
 pub fn read_adapter_dir(dir: &Path, base: &ModelConfig, device: &Device) -> Result<LoraAdapter> {
     let config = AdapterConfig::from_file(&dir.join(CONFIG_FILE))?;
     let weights_path = dir.join(WEIGHTS_FILE);
-    let store = TensorStore::open_files(&[weights_path.clone()], weights_path.clone())?;
-    let tensors = store.names().into_iter().map(|n| store.read(&n, None).map(|t| (n, t))).collect::<Result<BTreeMap<_, _>>>()?;
+    let store = TensorStore::open_files(std::slice::from_ref(&weights_path), weights_path.clone())?;
+    let tensors =
+        store.names().into_iter().map(|n| store.read(&n, None).map(|t| (n, t))).collect::<Result<BTreeMap<_, _>>>()?;
     LoraAdapter::from_host(config, &tensors, base, &weights_path, device)
 }
 
@@ -100,9 +101,16 @@ pub fn write_adapters_dir(dir: &Path, adapters: &BTreeMap<String, LoraAdapter>, 
 /// PEFT wrote), every subdirectory holding an `adapter_config.json`, named `agent_<i>` -> agent i
 /// or, for other names, agents in name order. Everything is read and checked before anything is
 /// returned.
-pub fn read_adapters_dir(dir: &Path, base: &ModelConfig, device: &Device) -> Result<(Manifest, BTreeMap<String, LoraAdapter>)> {
+pub fn read_adapters_dir(
+    dir: &Path,
+    base: &ModelConfig,
+    device: &Device,
+) -> Result<(Manifest, BTreeMap<String, LoraAdapter>)> {
     if !dir.is_dir() {
-        return Err(TroupeError::io(dir, std::io::Error::new(std::io::ErrorKind::NotFound, "adapter directory not found")));
+        return Err(TroupeError::io(
+            dir,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "adapter directory not found"),
+        ));
     }
     let manifest_path = dir.join(MANIFEST_FILE);
     let manifest = if manifest_path.exists() {
@@ -131,14 +139,18 @@ pub fn read_adapters_dir(dir: &Path, base: &ModelConfig, device: &Device) -> Res
         if names.is_empty() {
             return Err(TroupeError::io(
                 dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "no adapter (no subdirectory with adapter_config.json)"),
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no adapter (no subdirectory with adapter_config.json)",
+                ),
             ));
         }
         let by_id: Option<BTreeMap<String, String>> = names
             .iter()
             .map(|n| n.strip_prefix("agent_").and_then(|i| i.parse::<usize>().ok()).map(|i| (i.to_string(), n.clone())))
             .collect();
-        let agents = by_id.unwrap_or_else(|| names.iter().enumerate().map(|(i, n)| (i.to_string(), n.clone())).collect());
+        let agents =
+            by_id.unwrap_or_else(|| names.iter().enumerate().map(|(i, n)| (i.to_string(), n.clone())).collect());
         let mode = if names == ["shared"] { AdapterMode::Shared } else { AdapterMode::PerAgent };
         Manifest { mode, agents, base_fingerprint: None }
     };

@@ -42,7 +42,9 @@ pub struct MergeArgs {
 /// Splits `DIR[:NAME]` (a trailing `:NAME` without a path separator names the adapter).
 pub fn split_adapter_spec(spec: &str) -> (PathBuf, Option<String>) {
     match spec.rsplit_once(':') {
-        Some((dir, name)) if !dir.is_empty() && !name.is_empty() && !name.contains('/') => (PathBuf::from(dir), Some(name.to_string())),
+        Some((dir, name)) if !dir.is_empty() && !name.is_empty() && !name.contains('/') => {
+            (PathBuf::from(dir), Some(name.to_string()))
+        }
         _ => (PathBuf::from(spec), None),
     }
 }
@@ -76,7 +78,11 @@ pub fn resolve_adapter_dir(spec: &str) -> Result<PathBuf> {
     match adapter_subdirs(&dir)?.as_slice() {
         [] => bail!("--adapter {spec}: {} holds no adapter ({CONFIG_FILE} not found)", dir.display()),
         [one] => Ok(dir.join(one)),
-        many => bail!("--adapter {spec}: {} holds several adapters ({}); pick one with DIR:NAME", dir.display(), many.join(", ")),
+        many => bail!(
+            "--adapter {spec}: {} holds several adapters ({}); pick one with DIR:NAME",
+            dir.display(),
+            many.join(", ")
+        ),
     }
 }
 
@@ -103,8 +109,9 @@ pub fn adapter_delta(spec: Option<&str>, model: &Model, rows: usize) -> Result<O
 fn describe(dir: &Path, name: &str) -> Result<serde_json::Value> {
     let config = AdapterConfig::from_file(&dir.join(CONFIG_FILE))?;
     let weights = dir.join(WEIGHTS_FILE);
-    let store = TensorStore::open_files(&[weights.clone()], weights)?;
-    let parameters: usize = store.names().iter().filter_map(|n| store.shape(n)).map(|s| s.iter().product::<usize>()).sum();
+    let store = TensorStore::open_files(std::slice::from_ref(&weights), weights.clone())?;
+    let parameters: usize =
+        store.names().iter().filter_map(|n| store.shape(n)).map(|s| s.iter().product::<usize>()).sum();
     let targets: Vec<&str> = config.target_modules.iter().map(|p| p.module_name()).collect();
     Ok(json!({
         "name": name,
@@ -126,7 +133,8 @@ pub fn run(command: AdaptersCommand, device: &burn::tensor::Device) -> Result<()
         AdaptersCommand::Inspect { dir } => {
             let manifest_path = dir.join(MANIFEST_FILE);
             let manifest: Option<Manifest> = if manifest_path.exists() {
-                let text = std::fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", manifest_path.display()))?;
+                let text = std::fs::read_to_string(&manifest_path)
+                    .with_context(|| format!("reading {}", manifest_path.display()))?;
                 Some(serde_json::from_str(&text).with_context(|| format!("{}", manifest_path.display()))?)
             } else {
                 None
@@ -145,9 +153,11 @@ pub fn run(command: AdaptersCommand, device: &burn::tensor::Device) -> Result<()
             Ok(())
         }
         AdaptersCommand::Merge(args) => {
-            let model = Model::from_path(&args.model, device).with_context(|| format!("loading model {}", args.model.display()))?;
+            let model = Model::from_path(&args.model, device)
+                .with_context(|| format!("loading model {}", args.model.display()))?;
             let dir = resolve_adapter_dir(&args.adapter)?;
-            let adapter = read_adapter_dir(&dir, &model.lm.config, device).with_context(|| format!("loading adapter {}", dir.display()))?;
+            let adapter = read_adapter_dir(&dir, &model.lm.config, device)
+                .with_context(|| format!("loading adapter {}", dir.display()))?;
             merge_into_model_dir(&args.model, &adapter, &args.out, device)
                 .with_context(|| format!("writing the merged model to {}", args.out.display()))?;
             println!("{}", json!({"out": args.out, "adapter": dir, "merged_sites": adapter.pairs.len()}));

@@ -155,8 +155,7 @@ pub fn run(command: EnvCommand, registry: &Registry) -> anyhow::Result<()> {
         EnvCommand::Record { name, episodes, seed, policy, set, out } => {
             check_episodes(episodes)?;
             let mut policy = registry.make_policy(&policy)?;
-            let lines =
-                records::record_episodes(registry, &name, &parse_sets(&set)?, episodes, seed, policy.as_mut())?;
+            let lines = records::record_episodes(registry, &name, &parse_sets(&set)?, episodes, seed, policy.as_mut())?;
             let tmp = out.with_extension("jsonl.tmp");
             let mut text = lines.join("\n");
             text.push('\n');

@@ -47,7 +47,10 @@ pub fn resolve_adapters_dir(path: &Path) -> anyhow::Result<PathBuf> {
     if !path.exists() {
         anyhow::bail!("{}: no such directory", path.display());
     }
-    anyhow::bail!("{}: neither an adapters directory (troupe.json), a checkpoint, nor a run directory with checkpoints", path.display())
+    anyhow::bail!(
+        "{}: neither an adapters directory (troupe.json), a checkpoint, nor a run directory with checkpoints",
+        path.display()
+    )
 }
 
 /// Evaluates with the environments and policies of `registry`; prints the summary as JSON.
@@ -69,7 +72,8 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
     let mut manager = MultiAdapterManager::for_model(&model);
     manager.load_adapters(&dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
     let episodes = args.episodes.unwrap_or(config.eval.episodes);
-    let summary = evaluate(&model, &manager, &config, episodes, registry).with_context(|| format!("evaluating {}", dir.display()))?;
+    let summary = evaluate(&model, &manager, &config, episodes, registry)
+        .with_context(|| format!("evaluating {}", dir.display()))?;
     let mut value = serde_json::to_value(&summary)?;
     value["adapters"] = serde_json::Value::String(dir.display().to_string());
     println!("{}", serde_json::to_string_pretty(&value)?);

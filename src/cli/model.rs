@@ -8,8 +8,8 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::json;
 
-use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
 use super::adapters::adapter_delta;
+use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
 use crate::model::{builtin, ChatMessage, Model, Preset, ProjectionDelta};
 
 /// `troupe init-model`: write the built-in model as a Hugging Face directory.
@@ -87,7 +87,8 @@ pub enum ModelCommand {
 pub fn run_model(command: ModelCommand) -> Result<()> {
     match command {
         ModelCommand::Inspect { path } => {
-            let description = crate::model::inspect::describe(&path).with_context(|| format!("inspecting {}", path.display()))?;
+            let description =
+                crate::model::inspect::describe(&path).with_context(|| format!("inspecting {}", path.display()))?;
             println!("{description}");
             Ok(())
         }
@@ -119,7 +120,11 @@ pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()>
     let input_ids = model.tokenizer.encode(&args.text)?;
     let delta = adapter_delta(args.adapter.as_deref(), &model, 1)?;
     let delta = delta.as_ref().map(|d| d as &dyn ProjectionDelta);
-    let logprobs = if input_ids.len() >= 2 { score_rows(&model.lm, &[input_ids.clone()], delta)?.remove(0) } else { Vec::new() };
+    let logprobs = if input_ids.len() >= 2 {
+        score_rows(&model.lm, std::slice::from_ref(&input_ids), delta)?.remove(0)
+    } else {
+        Vec::new()
+    };
     if let Some(position) = logprobs.iter().position(|value| !value.is_finite()) {
         let source = match (&args.model, &args.adapter) {
             (Some(dir), Some(adapter)) => format!("model {} with adapter {adapter}", dir.display()),
@@ -179,7 +184,8 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
     let delta = adapter_delta(args.adapter.as_deref(), &model, 1)?;
     let delta = delta.as_ref().map(|d| d as &dyn ProjectionDelta);
     let start = Instant::now();
-    let out = generate(&model.lm, &model.tokenizer.eos_token_ids, &[prompt_ids.clone()], &options, delta)?.remove(0);
+    let out = generate(&model.lm, &model.tokenizer.eos_token_ids, std::slice::from_ref(&prompt_ids), &options, delta)?
+        .remove(0);
     let seconds = start.elapsed().as_secs_f64();
     let text = model.tokenizer.decode(&out.output_ids, true)?;
     println!(

@@ -44,7 +44,8 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
                 Some(d) => d,
                 None => crate::device::parse_device(&TrainConfig::from_run_dir(run_dir, &registry)?.model.device)?,
             };
-            TrainingRun::resume(run_dir, &args.set, registry, &device).with_context(|| format!("resuming {}", run_dir.display()))?
+            TrainingRun::resume(run_dir, &args.set, registry, &device)
+                .with_context(|| format!("resuming {}", run_dir.display()))?
         }
         (None, Some(path)) => {
             let config = TrainConfig::from_yaml_file(path, &args.set, &registry)?;

@@ -70,7 +70,10 @@ impl PackedChoices {
         }
         for (prompt, candidates) in decisions {
             if prompt.is_empty() || candidates.is_empty() || candidates.iter().any(Vec::is_empty) {
-                return Err(TroupeError::invalid("decisions", "every decision needs a prompt and non-empty candidates"));
+                return Err(TroupeError::invalid(
+                    "decisions",
+                    "every decision needs a prompt and non-empty candidates",
+                ));
             }
         }
         let device = lm.device().clone();
@@ -107,7 +110,11 @@ impl PackedChoices {
             tokens.resize(width, 0);
             rows.push(tokens.clone());
             for slot in 0..width {
-                positions.push(if slot < real { (if block[slot] == 0 { index[slot] } else { p + index[slot] }) as i64 } else { 0 });
+                positions.push(if slot < real {
+                    (if block[slot] == 0 { index[slot] } else { p + index[slot] }) as i64
+                } else {
+                    0
+                });
                 for key in 0..width {
                     let hidden = if slot >= real {
                         // Padding queries look at the prompt only (their output is unused).
@@ -140,7 +147,10 @@ impl PackedChoices {
                     target_logits.push((predictor * vocab + token as usize) as i64);
                     target_predictor.push(predictor as i64);
                     if token as usize >= vocab {
-                        return Err(TroupeError::invalid("tokens", format!("token id {token} is outside the vocabulary of {vocab}")));
+                        return Err(TroupeError::invalid(
+                            "tokens",
+                            format!("token id {token} is outside the vocabulary of {vocab}"),
+                        ));
                     }
                 }
                 own.resize(max_tokens, total_tokens as i64);
@@ -149,7 +159,11 @@ impl PackedChoices {
                 start += candidate.len();
             }
             for k in 0..max_candidates {
-                decision_candidates.push(if k < candidates.len() { (first_candidate + k) as i64 } else { total_candidates as i64 });
+                decision_candidates.push(if k < candidates.len() {
+                    (first_candidate + k) as i64
+                } else {
+                    total_candidates as i64
+                });
             }
             counts.push(candidates.len());
         }
@@ -194,7 +208,12 @@ impl PackedChoices {
 ///
 /// # Shapes
 /// -> `[decisions, max_candidates]`
-pub fn candidate_logliks(lm: &CausalLm, packed: &PackedChoices, score: ChoiceScore, delta: Option<&dyn ProjectionDelta>) -> Result<Tensor<2>> {
+pub fn candidate_logliks(
+    lm: &CausalLm,
+    packed: &PackedChoices,
+    score: ChoiceScore,
+    delta: Option<&dyn ProjectionDelta>,
+) -> Result<Tensor<2>> {
     let [batch, width] = packed.tokens.dims();
     let hidden = lm.hidden_states(packed.tokens.clone(), ForwardArgs { layout: &packed.layout, cache: None, delta })?;
     let size = hidden.dims()[2];
@@ -268,7 +287,8 @@ mod tests {
             vec![enc("play 1 [?1]"), enc("discard 3 [??]"), enc("hint red [R1 R3]"), enc("p")],
             vec![enc("1NT"), enc("pass")],
         ];
-        let decisions: Vec<(&[u32], &[Vec<u32>])> = prompts.iter().map(Vec::as_slice).zip(candidates.iter().map(Vec::as_slice)).collect();
+        let decisions: Vec<(&[u32], &[Vec<u32>])> =
+            prompts.iter().map(Vec::as_slice).zip(candidates.iter().map(Vec::as_slice)).collect();
         let packed = score_choices(&model.lm, &decisions, ChoiceScore::Sum, None).unwrap();
         let mean = score_choices(&model.lm, &decisions, ChoiceScore::Mean, None).unwrap();
         for ((sums, means), cands) in packed.iter().zip(&mean).zip(&candidates) {

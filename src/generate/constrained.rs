@@ -78,7 +78,10 @@ impl TokenTrie {
                 };
             }
             if let Some(other) = nodes[node].sequence {
-                return Err(TroupeError::invalid("sequences", format!("sequences {other} and {index} are the same tokens {sequence:?}")));
+                return Err(TroupeError::invalid(
+                    "sequences",
+                    format!("sequences {other} and {index} are the same tokens {sequence:?}"),
+                ));
             }
             nodes[node].sequence = Some(index);
         }
@@ -239,7 +242,8 @@ mod tests {
 
     #[test]
     fn unusable_sequence_sets_are_refused() {
-        let refused = |sequences: &[Vec<u32>], eos: Option<u32>| TokenTrie::new(sequences, eos).unwrap_err().to_string();
+        let refused =
+            |sequences: &[Vec<u32>], eos: Option<u32>| TokenTrie::new(sequences, eos).unwrap_err().to_string();
         assert!(refused(&[], Some(EOS)).contains("at least one"));
         assert!(refused(&[vec![1], vec![]], Some(EOS)).contains("sequence 1 is empty"));
         assert!(refused(&[vec![1, 3], vec![4], vec![1, 3]], Some(EOS)).contains("sequences 0 and 2"));

@@ -118,7 +118,10 @@ pub fn generate_constrained(
     }
     let vocab = lm.config.vocab_size;
     if let Some(trie) = constraints.iter().flatten().find(|t| t.max_token() as usize >= vocab) {
-        return Err(TroupeError::invalid("constraints", format!("token {} is beyond the vocabulary ({vocab})", trie.max_token())));
+        return Err(TroupeError::invalid(
+            "constraints",
+            format!("token {} is beyond the vocabulary ({vocab})", trie.max_token()),
+        ));
     }
     let constraint = |row: usize| constraints.get(row).copied().flatten();
     let device = lm.device().clone();
@@ -133,14 +136,16 @@ pub fn generate_constrained(
     let mut cache = KvCache::new(lm.config.num_hidden_layers);
     let mut layout = SequenceLayout::new(batch);
     // Full token history (kept only for the uncached path) and the step's new slots.
-    let (mut history, mut history_valid) = if options.use_cache { (Vec::new(), Vec::new()) } else { (padded.clone(), valid.clone()) };
+    let (mut history, mut history_valid) =
+        if options.use_cache { (Vec::new(), Vec::new()) } else { (padded.clone(), valid.clone()) };
     let mut step_tokens = padded;
     let mut step_valid = valid;
     while done.iter().any(|d| !d) {
         let last_hidden = if options.use_cache {
             let tokens = lm.token_tensor(&step_tokens)?;
             let attention = layout.step(&step_valid, &device);
-            let hidden = lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?;
+            let hidden =
+                lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?;
             let seq = hidden.dims()[1];
             hidden.narrow(1, seq - 1, 1)
         } else {
@@ -234,7 +239,11 @@ const LOGIT_CHUNK_ELEMENTS: usize = 8 << 20;
 ///
 /// # Shapes
 /// `batch.tokens`: `[batch, seq]` -> `[batch, seq - 1]`
-pub fn next_token_logprobs(lm: &CausalLm, batch: &ScoringBatch, delta: Option<&dyn ProjectionDelta>) -> Result<Tensor<2>> {
+pub fn next_token_logprobs(
+    lm: &CausalLm,
+    batch: &ScoringBatch,
+    delta: Option<&dyn ProjectionDelta>,
+) -> Result<Tensor<2>> {
     let [rows, seq] = batch.tokens.dims();
     let layout = SequenceLayout::new(rows).step(&batch.valid, lm.device());
     let hidden = lm.hidden_states(batch.tokens.clone(), ForwardArgs { layout: &layout, cache: None, delta })?;
@@ -270,7 +279,8 @@ pub fn score_rows(lm: &CausalLm, rows: &[Vec<u32>], delta: Option<&dyn Projectio
 pub fn last_logits(lm: &CausalLm, tokens: &[u32], delta: Option<&dyn ProjectionDelta>) -> Result<Vec<f32>> {
     let device = lm.device().clone();
     let layout = SequenceLayout::new(1).step(&[vec![true; tokens.len()]], &device);
-    let hidden = lm.hidden_states(lm.token_tensor(&[tokens.to_vec()])?, ForwardArgs { layout: &layout, cache: None, delta })?;
+    let hidden =
+        lm.hidden_states(lm.token_tensor(&[tokens.to_vec()])?, ForwardArgs { layout: &layout, cache: None, delta })?;
     let last = hidden.narrow(1, tokens.len() - 1, 1);
     Ok(to_rows(lm.logits(last).squeeze_dim::<2>(1)).remove(0))
 }
@@ -320,7 +330,9 @@ mod tests {
                 use_cache: true,
             };
             let constraints = [None, Some(&trie), Some(&trie)];
-            let out = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &constraints, &options, None).unwrap();
+            let out =
+                generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &constraints, &options, None)
+                    .unwrap();
             assert_eq!(out[0].sequence, None);
             for row in &out[1..] {
                 let k = row.sequence.expect("a constrained row always completes");
@@ -334,16 +346,33 @@ mod tests {
             }
             // No constraint at all: exactly `generate`, sampled draws included.
             let free = generate(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &options, None).unwrap();
-            let none = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &[None, None, None], &options, None).unwrap();
+            let none = generate_constrained(
+                &model.lm,
+                &model.tokenizer.eos_token_ids,
+                &prompts,
+                &[None, None, None],
+                &options,
+                None,
+            )
+            .unwrap();
             assert_eq!(free, none);
         }
         // "play" is a prefix of "play card 1": it is reached through EOS like the others.
         assert!(seen.iter().all(|&s| s), "every sequence reachable: {seen:?}");
 
         // Greedy free rows do not depend on the other rows' constraints.
-        let greedy = GenerateOptions { max_new_tokens: 6, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
+        let greedy =
+            GenerateOptions { max_new_tokens: 6, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
         let free = generate(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &greedy, None).unwrap();
-        let mixed = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &[None, Some(&trie), None], &greedy, None).unwrap();
+        let mixed = generate_constrained(
+            &model.lm,
+            &model.tokenizer.eos_token_ids,
+            &prompts,
+            &[None, Some(&trie), None],
+            &greedy,
+            None,
+        )
+        .unwrap();
         assert_eq!((&free[0], &free[2]), (&mixed[0], &mixed[2]));
     }
 
@@ -353,11 +382,14 @@ mod tests {
         let sequences = sequences(&model);
         let eos = model.tokenizer.eos_token_ids[0];
         let trie = TokenTrie::new(&sequences, Some(eos)).unwrap();
-        let greedy = GenerateOptions { max_new_tokens: 1, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
+        let greedy =
+            GenerateOptions { max_new_tokens: 1, sampling: SamplingConfig::greedy(), ..GenerateOptions::default() };
         let constraints = vec![Some(&trie); prompts.len()];
         for use_cache in [true, false] {
             let options = GenerateOptions { use_cache, ..greedy.clone() };
-            let out = generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &constraints, &options, None).unwrap();
+            let out =
+                generate_constrained(&model.lm, &model.tokenizer.eos_token_ids, &prompts, &constraints, &options, None)
+                    .unwrap();
             for (prompt, row) in prompts.iter().zip(&out) {
                 // Replay the row alone, recomputing the logits: each token is the best allowed one.
                 let mut node = TokenTrie::ROOT;
@@ -365,7 +397,10 @@ mod tests {
                 for &token in &row.output_ids {
                     let logits = last_logits(&model.lm, &context, None).unwrap();
                     let allowed = trie.allowed(node);
-                    let best = *allowed.iter().max_by(|a, b| logits[**a as usize].total_cmp(&logits[**b as usize]).then(b.cmp(a))).unwrap();
+                    let best = *allowed
+                        .iter()
+                        .max_by(|a, b| logits[**a as usize].total_cmp(&logits[**b as usize]).then(b.cmp(a)))
+                        .unwrap();
                     assert_eq!(token, best, "allowed {allowed:?}");
                     match trie.advance(node, token).unwrap() {
                         TrieStep::Continue(next) => node = next,

@@ -93,7 +93,8 @@ pub fn build_tokenizer() -> Result<Tokenizer> {
 
 /// The built-in tokenizer with its EOS ids (`<|im_end|>`, `<|endoftext|>`) and chat template.
 pub fn builtin_tokenizer() -> Result<TextTokenizer> {
-    let mut tokenizer = TextTokenizer::from_parts(build_tokenizer()?, PathBuf::from("<built-in tokenizer>"), vec![2, 0]);
+    let mut tokenizer =
+        TextTokenizer::from_parts(build_tokenizer()?, PathBuf::from("<built-in tokenizer>"), vec![2, 0]);
     tokenizer.chat_template = Some(CHAT_TEMPLATE.to_string());
     Ok(tokenizer)
 }

@@ -138,10 +138,7 @@ impl ModelConfig {
             "qwen2" => ModelType::Qwen2,
             "qwen3" => ModelType::Qwen3,
             _ => {
-                return Err(TroupeError::UnsupportedModelType {
-                    path: path.to_path_buf(),
-                    model_type: model_type_name,
-                })
+                return Err(TroupeError::UnsupportedModelType { path: path.to_path_buf(), model_type: model_type_name })
             }
         };
         if let Some(act) = &raw.hidden_act {
@@ -151,7 +148,8 @@ impl ModelConfig {
         }
         let hidden_size = required(raw.hidden_size, "hidden_size")?;
         let num_attention_heads = required(raw.num_attention_heads, "num_attention_heads")?;
-        let num_key_value_heads = required(raw.num_key_value_heads.or(Some(num_attention_heads)), "num_key_value_heads")?;
+        let num_key_value_heads =
+            required(raw.num_key_value_heads.or(Some(num_attention_heads)), "num_key_value_heads")?;
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(field_error(
                 "num_key_value_heads",
@@ -162,7 +160,10 @@ impl ModelConfig {
             Some(d) => required(Some(d), "head_dim")?,
             None => {
                 if hidden_size % num_attention_heads != 0 {
-                    return Err(field_error("head_dim", "missing, and hidden_size is not a multiple of num_attention_heads"));
+                    return Err(field_error(
+                        "head_dim",
+                        "missing, and hidden_size is not a multiple of num_attention_heads",
+                    ));
                 }
                 hidden_size / num_attention_heads
             }
@@ -360,9 +361,8 @@ mod tests {
         assert!(err.contains("hidden_size") && err.contains("missing"), "{err}");
         let err = parse(&format!(r#"{{"model_type": "gpt2", {BASE}}}"#)).unwrap_err().to_string();
         assert!(err.contains("unsupported model_type \"gpt2\""), "{err}");
-        let err = parse(&format!(r#"{{"model_type": "llama", {BASE}, "num_key_value_heads": 3}}"#))
-            .unwrap_err()
-            .to_string();
+        let err =
+            parse(&format!(r#"{{"model_type": "llama", {BASE}, "num_key_value_heads": 3}}"#)).unwrap_err().to_string();
         assert!(err.contains("num_key_value_heads"), "{err}");
         let err = parse(&format!(
             r#"{{"model_type": "llama", {BASE}, "rope_scaling": {{"rope_type": "yarn", "factor": 4.0}}}}"#
@@ -378,8 +378,8 @@ mod tests {
     fn biases_follow_the_family() {
         let q2 = parse(&format!(r#"{{"model_type": "qwen2", {BASE}}}"#)).unwrap();
         assert!(q2.qkv_bias && !q2.o_bias && !q2.mlp_bias);
-        let llama = parse(&format!(r#"{{"model_type": "llama", {BASE}, "attention_bias": true, "mlp_bias": true}}"#))
-            .unwrap();
+        let llama =
+            parse(&format!(r#"{{"model_type": "llama", {BASE}, "attention_bias": true, "mlp_bias": true}}"#)).unwrap();
         assert!(llama.qkv_bias && llama.o_bias && llama.mlp_bias);
     }
 

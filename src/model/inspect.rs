@@ -30,7 +30,10 @@ impl TypeCounts {
     }
 
     fn to_json(&self) -> Value {
-        self.0.iter().map(|(name, (tensors, values))| (name.clone(), json!({"tensors": tensors, "values": values}))).collect()
+        self.0
+            .iter()
+            .map(|(name, (tensors, values))| (name.clone(), json!({"tensors": tensors, "values": values})))
+            .collect()
     }
 }
 
@@ -47,11 +50,8 @@ fn describe_gguf(path: &Path) -> Result<Value> {
     // What the weights take with the matrices (projections, embedding, LM head) in their stored
     // block formats and the 1-D tensors (norms, biases) in f32 (a kept-quantized base, not yet
     // implemented); `f32` is what troupe holds today.
-    let stored_in_memory: u64 = file
-        .tensors()
-        .iter()
-        .map(|e| if e.shape.len() >= 2 { e.byte_len() as u64 } else { 4 * e.len() as u64 })
-        .sum();
+    let stored_in_memory: u64 =
+        file.tensors().iter().map(|e| if e.shape.len() >= 2 { e.byte_len() as u64 } else { 4 * e.len() as u64 }).sum();
     Ok(json!({
         "path": path,
         "format": "gguf",

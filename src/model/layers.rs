@@ -34,8 +34,15 @@ pub enum Projection {
 
 impl Projection {
     /// All seven, in checkpoint order.
-    pub const ALL: [Projection; 7] =
-        [Projection::Q, Projection::K, Projection::V, Projection::O, Projection::Gate, Projection::Up, Projection::Down];
+    pub const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
+    ];
 
     /// The module name (`q_proj`, ..., `down_proj`), as PEFT's `target_modules` writes it.
     pub fn module_name(self) -> &'static str {
@@ -119,13 +126,27 @@ pub(crate) fn transpose_host(values: &[f32], rows: usize, cols: usize) -> Vec<f3
 
 impl FrozenLinear {
     /// Loads `{prefix}.weight` (and `{prefix}.bias` when `bias`).
-    pub fn load(source: &dyn WeightSource, prefix: &str, in_features: usize, out_features: usize, bias: bool, device: &Device) -> Result<Self> {
+    pub fn load(
+        source: &dyn WeightSource,
+        prefix: &str,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        device: &Device,
+    ) -> Result<Self> {
         Self::load_stacked(source, &[prefix], in_features, &[out_features], bias, device)
     }
 
     /// Loads several projections of the same input and stacks them along `out`
     /// (`prefixes[i]` has `out_features[i]` outputs).
-    pub fn load_stacked(source: &dyn WeightSource, prefixes: &[&str], in_features: usize, out_features: &[usize], bias: bool, device: &Device) -> Result<Self> {
+    pub fn load_stacked(
+        source: &dyn WeightSource,
+        prefixes: &[&str],
+        in_features: usize,
+        out_features: &[usize],
+        bias: bool,
+        device: &Device,
+    ) -> Result<Self> {
         let total: usize = out_features.iter().sum();
         let mut stacked = Vec::with_capacity(total * in_features);
         let mut biases = Vec::with_capacity(total);
@@ -233,9 +254,7 @@ impl RotaryEmbedding {
     pub fn tables(&self, positions: &Tensor<2, Int>) -> (Tensor<4>, Tensor<4>) {
         let [batch, seq] = positions.dims();
         let flat = positions.clone().reshape([batch * seq]);
-        let gather = |table: &Tensor<2>| {
-            table.clone().select(0, flat.clone()).reshape([batch, 1, seq, self.head_dim])
-        };
+        let gather = |table: &Tensor<2>| table.clone().select(0, flat.clone()).reshape([batch, 1, seq, self.head_dim]);
         (gather(&self.cos), gather(&self.sin))
     }
 

@@ -54,18 +54,16 @@ impl TensorStore {
         let single = dir.join("model.safetensors");
         let index_path = dir.join("model.safetensors.index.json");
         if single.exists() {
-            return Self::open_files(&[single.clone()], single);
+            return Self::open_files(std::slice::from_ref(&single), single.clone());
         }
         if index_path.exists() {
             let text = std::fs::read_to_string(&index_path).map_err(|e| TroupeError::io(&index_path, e))?;
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| TroupeError::Json { path: index_path.clone(), message: e.to_string() })?;
-            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| {
-                TroupeError::ConfigField {
-                    path: index_path.clone(),
-                    field: "weight_map".into(),
-                    message: "missing or not an object".into(),
-                }
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| TroupeError::ConfigField {
+                path: index_path.clone(),
+                field: "weight_map".into(),
+                message: "missing or not an object".into(),
             })?;
             let mut shards: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
             shards.sort();
@@ -88,9 +86,8 @@ impl TensorStore {
         let mut index = HashMap::new();
         for (file_index, path) in paths.iter().enumerate() {
             let bytes = std::fs::read(path).map_err(|e| TroupeError::io(path, e))?;
-            let (header_len, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| {
-                TroupeError::Safetensors { path: path.clone(), message: describe_error(&e) }
-            })?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&bytes)
+                .map_err(|e| TroupeError::Safetensors { path: path.clone(), message: describe_error(&e) })?;
             for name in metadata.tensors().keys() {
                 index.insert(name.clone(), file_index);
             }
@@ -163,14 +160,8 @@ impl TensorStore {
 fn decode_f32(raw: &[u8], dtype: Dtype) -> Option<Vec<f32>> {
     Some(match dtype {
         Dtype::F32 => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        Dtype::F16 => raw
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => raw
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
+        Dtype::F16 => raw.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Dtype::BF16 => raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
         _ => return None,
     })
 }
@@ -224,7 +215,7 @@ mod tests {
         let mut tensors = BTreeMap::new();
         tensors.insert("a".to_string(), HostTensor { values: vec![1.0, -2.5, 3.0, 4.0], shape: vec![2, 2] });
         write_safetensors(&path, &tensors, None).unwrap();
-        let store = TensorStore::open_files(&[path.clone()], path.clone()).unwrap();
+        let store = TensorStore::open_files(std::slice::from_ref(&path), path.clone()).unwrap();
         assert_eq!(store.read("a", Some(&[2, 2])).unwrap(), tensors["a"]);
         let err = store.read("a", Some(&[4])).unwrap_err().to_string();
         assert!(err.contains("`a` has shape [2, 2], expected [4]"), "{err}");
@@ -241,7 +232,7 @@ mod tests {
         write_safetensors(&path, &tensors, None).unwrap();
         let bytes = std::fs::read(&path).unwrap();
         std::fs::write(&path, &bytes[..bytes.len() - 10]).unwrap();
-        let err = TensorStore::open_files(&[path.clone()], path.clone()).err().unwrap().to_string();
+        let err = TensorStore::open_files(std::slice::from_ref(&path), path.clone()).err().unwrap().to_string();
         assert!(err.contains("t.safetensors") && err.contains("truncated"), "{err}");
     }
 

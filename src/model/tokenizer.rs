@@ -81,10 +81,8 @@ impl TextTokenizer {
             .map_err(|e| TroupeError::Tokenizer { path: path.clone(), message: e.to_string() })?;
         let tokenizer_config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         let generation_config = read_optional_json(&dir.join("generation_config.json"))?;
-        let mut eos: Vec<u32> = generation_config
-            .as_ref()
-            .and_then(|g| parse_token_ids(g.get("eos_token_id")))
-            .unwrap_or_default();
+        let mut eos: Vec<u32> =
+            generation_config.as_ref().and_then(|g| parse_token_ids(g.get("eos_token_id"))).unwrap_or_default();
         for id in config_eos {
             if !eos.contains(id) {
                 eos.push(*id);
@@ -116,7 +114,12 @@ impl TextTokenizer {
 
     /// Sets the chat template and the `bos_token` / `eos_token` strings it renders (a `None`
     /// string keeps the current one).
-    pub fn with_chat_template(mut self, template: Option<String>, bos_token: Option<String>, eos_token: Option<String>) -> Self {
+    pub fn with_chat_template(
+        mut self,
+        template: Option<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Self {
         self.chat_template = template;
         if let Some(bos) = bos_token {
             self.bos_token = bos;

@@ -204,7 +204,13 @@ fn split_project(
 }
 
 /// Applies a projection plus the adapter delta for it, if any.
-fn project(linear: &FrozenLinear, x: Tensor<3>, layer: usize, projection: Projection, delta: Option<&dyn ProjectionDelta>) -> Tensor<3> {
+fn project(
+    linear: &FrozenLinear,
+    x: Tensor<3>,
+    layer: usize,
+    projection: Projection,
+    delta: Option<&dyn ProjectionDelta>,
+) -> Tensor<3> {
     let extra = delta.and_then(|d| d.delta(layer, projection, &x));
     let base = linear.forward(x);
     match extra {
@@ -220,7 +226,13 @@ impl Attention {
         let kv = config.num_key_value_heads * config.head_dim;
         let norm = |name: &str| -> Result<Option<RmsNorm>> {
             if config.model_type == ModelType::Qwen3 {
-                Ok(Some(RmsNorm::load(source, &format!("{prefix}.{name}"), config.head_dim, config.rms_norm_eps, device)?))
+                Ok(Some(RmsNorm::load(
+                    source,
+                    &format!("{prefix}.{name}"),
+                    config.head_dim,
+                    config.rms_norm_eps,
+                    device,
+                )?))
             } else {
                 Ok(None)
             }
@@ -240,7 +252,13 @@ impl Attention {
 
     /// # Shapes
     /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`
-    fn forward(&self, x: Tensor<3>, layer: usize, rope: (&Tensor<4>, &Tensor<4>), args: &mut ForwardArgs<'_>) -> Tensor<3> {
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        layer: usize,
+        rope: (&Tensor<4>, &Tensor<4>),
+        args: &mut ForwardArgs<'_>,
+    ) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
         let heads = |t: Tensor<3>, n: usize, norm: &Option<RmsNorm>| {
             let t = t.reshape([batch, seq, n, self.head_dim]);
@@ -284,9 +302,12 @@ fn repeat_kv(x: Tensor<4>, group: usize) -> Tensor<4> {
         return x;
     }
     let [batch, kv_heads, seq, head_dim] = x.dims();
-    x.unsqueeze_dim::<5>(2)
-        .expand([batch, kv_heads, group, seq, head_dim])
-        .reshape([batch, kv_heads * group, seq, head_dim])
+    x.unsqueeze_dim::<5>(2).expand([batch, kv_heads, group, seq, head_dim]).reshape([
+        batch,
+        kv_heads * group,
+        seq,
+        head_dim,
+    ])
 }
 
 impl Mlp {
@@ -321,9 +342,21 @@ impl CausalLm {
             .map(|i| {
                 let prefix = format!("model.layers.{i}");
                 Ok(DecoderLayer {
-                    input_layernorm: RmsNorm::load(source, &format!("{prefix}.input_layernorm"), h, config.rms_norm_eps, device)?,
+                    input_layernorm: RmsNorm::load(
+                        source,
+                        &format!("{prefix}.input_layernorm"),
+                        h,
+                        config.rms_norm_eps,
+                        device,
+                    )?,
                     self_attn: Attention::load(source, &format!("{prefix}.self_attn"), &config, device)?,
-                    post_attention_layernorm: RmsNorm::load(source, &format!("{prefix}.post_attention_layernorm"), h, config.rms_norm_eps, device)?,
+                    post_attention_layernorm: RmsNorm::load(
+                        source,
+                        &format!("{prefix}.post_attention_layernorm"),
+                        h,
+                        config.rms_norm_eps,
+                        device,
+                    )?,
                     mlp: Mlp::load(source, &format!("{prefix}.mlp"), &config, device)?,
                 })
             })
@@ -377,13 +410,18 @@ impl CausalLm {
         if past + seq > self.rope.max_positions() {
             return Err(TroupeError::invalid(
                 "tokens",
-                format!("sequence of {} tokens exceeds max_position_embeddings {}", past + seq, self.rope.max_positions()),
+                format!(
+                    "sequence of {} tokens exceeds max_position_embeddings {}",
+                    past + seq,
+                    self.rope.max_positions()
+                ),
             ));
         }
         let (cos, sin) = self.rope.tables(&args.layout.positions);
         let mut x = embedding(self.embed_tokens.clone(), tokens);
         for (i, layer) in self.layers.iter().enumerate() {
-            let attended = layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), i, (&cos, &sin), &mut args);
+            let attended =
+                layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), i, (&cos, &sin), &mut args);
             x = x + attended;
             let fed = layer.mlp.forward(layer.post_attention_layernorm.forward(x.clone()), i, args.delta);
             x = x + fed;
@@ -397,10 +435,7 @@ impl CausalLm {
     /// `hidden`: `[batch, seq, hidden]` -> `[batch, seq, vocab]`
     pub fn logits(&self, hidden: Tensor<3>) -> Tensor<3> {
         let [batch, seq, h] = hidden.dims();
-        hidden
-            .reshape([batch * seq, h])
-            .matmul(self.lm_head_t.clone())
-            .reshape([batch, seq, self.config.vocab_size])
+        hidden.reshape([batch * seq, h]).matmul(self.lm_head_t.clone()).reshape([batch, seq, self.config.vocab_size])
     }
 
     /// Full forward: logits at every position.

@@ -79,10 +79,7 @@ pub fn mean_std(values: &[f64]) -> (f64, f64) {
 /// `std(r) + STD_EPS` when `normalize_std`.
 pub fn group_advantages(returns: &[f64], normalize_std: bool) -> Vec<f64> {
     let (mean, std) = mean_std(returns);
-    returns
-        .iter()
-        .map(|r| if normalize_std { (r - mean) / (std + STD_EPS) } else { r - mean })
-        .collect()
+    returns.iter().map(|r| if normalize_std { (r - mean) / (std + STD_EPS) } else { r - mean }).collect()
 }
 
 /// Discounted return-to-go of every turn: `G[t] = r[t] + gamma * G[t + 1]`.
@@ -117,11 +114,18 @@ pub fn like_turn_advantages(returns: &[Vec<f64>], normalize_std: bool) -> Vec<Ve
 /// at the same turn index (over the samples that reached it), divided by their std plus
 /// [`STD_EPS`] when `scaling` is [`RewardScaling::Group`]. [`RewardScaling::Batch`] is applied
 /// afterwards, over a whole batch, by [`scale_by_batch_std`]; here it divides by nothing.
-pub fn estimate_turn_advantages(returns: &[Vec<f64>], baseline: AdvantageBaseline, scaling: RewardScaling) -> Vec<Vec<f64>> {
+// The turn index `t` picks the same position across every sample's list, so a range loop reads best.
+#[allow(clippy::needless_range_loop)]
+pub fn estimate_turn_advantages(
+    returns: &[Vec<f64>],
+    baseline: AdvantageBaseline,
+    scaling: RewardScaling,
+) -> Vec<Vec<f64>> {
     let turns = returns.iter().map(Vec::len).max().unwrap_or(0);
     let mut out: Vec<Vec<f64>> = returns.iter().map(|r| vec![0.0; r.len()]).collect();
     for t in 0..turns {
-        let at_t: Vec<(usize, f64)> = returns.iter().enumerate().filter_map(|(j, r)| r.get(t).map(|g| (j, *g))).collect();
+        let at_t: Vec<(usize, f64)> =
+            returns.iter().enumerate().filter_map(|(j, r)| r.get(t).map(|g| (j, *g))).collect();
         let values: Vec<f64> = at_t.iter().map(|(_, g)| *g).collect();
         let (_, std) = mean_std(&values);
         let divisor = if scaling == RewardScaling::Group { std + STD_EPS } else { 1.0 };

@@ -63,9 +63,11 @@ impl RngState {
         }
         let mut seed = [0u8; 32];
         for (i, byte) in seed.iter_mut().enumerate() {
-            *byte = u8::from_str_radix(&self.seed[2 * i..2 * i + 2], 16).map_err(|_| bad(format!("rng.seed is not hex: {:?}", self.seed)))?;
+            *byte = u8::from_str_radix(&self.seed[2 * i..2 * i + 2], 16)
+                .map_err(|_| bad(format!("rng.seed is not hex: {:?}", self.seed)))?;
         }
-        let word_pos: u128 = self.word_pos.parse().map_err(|_| bad(format!("rng.word_pos is not an integer: {:?}", self.word_pos)))?;
+        let word_pos: u128 =
+            self.word_pos.parse().map_err(|_| bad(format!("rng.word_pos is not an integer: {:?}", self.word_pos)))?;
         let mut rng = ChaCha8Rng::from_seed(seed);
         rng.set_stream(self.stream);
         rng.set_word_pos(word_pos);
@@ -143,7 +145,10 @@ pub fn write_checkpoint_files(
 }
 
 fn host(t: &burn::tensor::Tensor<2>) -> HostTensor {
-    HostTensor { values: t.to_data().convert::<f32>().try_into_vec::<f32>().expect("f32 tensor"), shape: t.dims().to_vec() }
+    HostTensor {
+        values: t.to_data().convert::<f32>().try_into_vec::<f32>().expect("f32 tensor"),
+        shape: t.dims().to_vec(),
+    }
 }
 
 /// Every complete checkpoint of a run, oldest first, as (iteration, directory). Staging
@@ -195,9 +200,13 @@ pub fn clean_staging(run_dir: &Path) -> Result<usize> {
 pub fn load_checkpoint(dir: &Path, manager: &mut MultiAdapterManager, device: &Device) -> Result<Checkpoint> {
     let state_path = dir.join(STATE_FILE);
     let text = std::fs::read_to_string(&state_path).map_err(|e| TroupeError::io(&state_path, e))?;
-    let state: StateFile = serde_json::from_str(&text).map_err(|e| TroupeError::Json { path: state_path.clone(), message: e.to_string() })?;
+    let state: StateFile = serde_json::from_str(&text)
+        .map_err(|e| TroupeError::Json { path: state_path.clone(), message: e.to_string() })?;
     if state.format != FORMAT {
-        return Err(TroupeError::Checkpoint { path: state_path, message: format!("format {:?} is not {FORMAT:?}", state.format) });
+        return Err(TroupeError::Checkpoint {
+            path: state_path,
+            message: format!("format {:?} is not {FORMAT:?}", state.format),
+        });
     }
     let rng = state.rng.restore(&state_path)?;
     let optimizer_path = dir.join(OPTIMIZER_FILE);

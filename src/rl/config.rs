@@ -379,7 +379,16 @@ pub struct EvalSection {
 
 impl Default for EvalSection {
     fn default() -> Self {
-        Self { episodes: 20, seed: 1_000_000, baseline_seats: BTreeMap::new(), max_episode_steps: None, every: 0, every_episodes: 32, batch_episodes: 64, env: Default::default() }
+        Self {
+            episodes: 20,
+            seed: 1_000_000,
+            baseline_seats: BTreeMap::new(),
+            max_episode_steps: None,
+            every: 0,
+            every_episodes: 32,
+            batch_episodes: 64,
+            env: Default::default(),
+        }
     }
 }
 
@@ -589,7 +598,10 @@ impl TrainConfig {
                 if registry.reward(name).is_none() {
                     let mut known = vec!["env_return", "score", "invalid_actions", "external"];
                     known.extend(registry.rewards().map(|(name, _)| name));
-                    return fail(&format!("rewards.functions[{i}].name"), format!("unknown reward function {name:?} (known: {})", known.join(", ")));
+                    return fail(
+                        &format!("rewards.functions[{i}].name"),
+                        format!("unknown reward function {name:?} (known: {})", known.join(", ")),
+                    );
                 }
             }
         }
@@ -754,8 +766,7 @@ impl TrainConfig {
                         "action.mode".into(),
                         format!(
                             "`{}` needs a finite set of legal actions, but {} takes open-ended text; use `free`",
-                            self.action.mode,
-                            self.env.name
+                            self.action.mode, self.env.name
                         ),
                     ));
                 }
@@ -1166,7 +1177,9 @@ mod tests {
         let err = config.build_env(origin, &registry).err().expect("writing has no finite actions").to_string();
         assert!(err.starts_with("configs/test.yaml: action.mode: `constrained` needs a finite set"), "{err}");
         for (env, seats) in [("hanabi", "[0, 1]"), ("bridge", "[0, 1, 0, 1]")] {
-            let config = parse(&format!("env: {{name: {env}}}\nagents: {{seats: {seats}}}\naction: {{mode: constrained}}"), &[]).unwrap();
+            let config =
+                parse(&format!("env: {{name: {env}}}\nagents: {{seats: {seats}}}\naction: {{mode: constrained}}"), &[])
+                    .unwrap();
             assert_eq!(config.action.mode, ActionMode::Constrained);
             assert_eq!(config.rollout_config().mode, ActionMode::Constrained);
             assert!(config.build_env(origin, &registry).is_ok(), "{env} has finite legal actions");
@@ -1225,7 +1238,8 @@ mod tests {
             assert!(names.iter().any(|n| n == expected), "configs/{expected}.yaml is missing: {names:?}");
         }
         for path in &files {
-            let config = TrainConfig::from_yaml_file(path, &[], &Registry::with_builtins()).unwrap_or_else(|e| panic!("{e}"));
+            let config =
+                TrainConfig::from_yaml_file(path, &[], &Registry::with_builtins()).unwrap_or_else(|e| panic!("{e}"));
             let env = match config.build_env(path, &registry) {
                 // An OpenSpiel config needs `pip install open_spiel`, which a bare machine lacks;
                 // its loading is checked above, its process where OpenSpiel is installed.

@@ -25,7 +25,10 @@ pub fn check_whole(text: &str, origin: &Path) -> Result<()> {
         for (key, value) in sections {
             if value.is_null() {
                 let name = key.as_str().unwrap_or("?").to_string();
-                return Err(fail(name, "has no value: the section is empty (was the file cut off?); remove it or fill it in".into()));
+                return Err(fail(
+                    name,
+                    "has no value: the section is empty (was the file cut off?); remove it or fill it in".into(),
+                ));
             }
         }
     }

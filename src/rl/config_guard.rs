@@ -20,7 +20,8 @@ pub const RESUMABLE_KEYS: [&str; 3] = ["run.iterations", "run.checkpoint_every",
 /// Writes the reference copy of `config` into `run_dir`.
 pub fn record(config: &TrainConfig, run_dir: &Path) -> Result<PathBuf> {
     let path = run_dir.join(REFERENCE_FILE);
-    let value = serde_json::to_value(config).map_err(|e| TroupeError::Json { path: path.clone(), message: e.to_string() })?;
+    let value =
+        serde_json::to_value(config).map_err(|e| TroupeError::Json { path: path.clone(), message: e.to_string() })?;
     let text = serde_json::to_vec_pretty(&value).expect("a JSON value serialises");
     crate::fsutil::write_atomic(&path, &text)?;
     Ok(path)
@@ -70,7 +71,8 @@ pub fn check_resume(config: &TrainConfig, run_dir: &Path) -> Result<()> {
     };
     let reference: Value =
         serde_json::from_slice(&text).map_err(|e| TroupeError::Json { path: path.clone(), message: e.to_string() })?;
-    let current = serde_json::to_value(config).map_err(|e| TroupeError::Json { path: path.clone(), message: e.to_string() })?;
+    let current =
+        serde_json::to_value(config).map_err(|e| TroupeError::Json { path: path.clone(), message: e.to_string() })?;
     let refused: Vec<String> = differences(&reference, &current)
         .into_iter()
         .filter(|(key, _, _)| key != "run.out_dir" && !RESUMABLE_KEYS.contains(&key.as_str()))

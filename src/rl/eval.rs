@@ -11,8 +11,8 @@ use troupe_envs::policy::Policy;
 use troupe_envs::{Registry, SeatId};
 
 use super::advantage::mean_std;
-use super::protocols::{is_coding_task, run_protocol, CodingProtocol, ProtocolSetup, ProtocolSummary};
 use super::config::{ActionMode, TrainConfig};
+use super::protocols::{is_coding_task, run_protocol, CodingProtocol, ProtocolSetup, ProtocolSummary};
 use super::rollout::{make_env, run_episodes_with_baselines, EpisodeRecord};
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
@@ -76,7 +76,13 @@ pub struct EvalSummary {
 /// Episodes run to their end (or `eval.max_episode_steps`), and an invalid reply is replaced
 /// by a random legal action rather than ending the episode ([`TrainConfig::eval_rollout_config`]),
 /// so a game scores what the references would score it.
-pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConfig, episodes: usize, registry: &Registry) -> Result<EvalSummary> {
+pub fn evaluate(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    config: &TrainConfig,
+    episodes: usize,
+    registry: &Registry,
+) -> Result<EvalSummary> {
     let started = Instant::now();
     if episodes == 0 {
         return Err(TroupeError::invalid("episodes", "evaluate at least one episode"));
@@ -85,13 +91,19 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
         if !config.eval.baseline_seats.contains_key(&seat) && manager.adapter_name(agent).is_err() {
             return Err(TroupeError::invalid(
                 "adapters",
-                format!("seat {seat} is played by agent {agent}, but the adapters have no agent {agent} (agents: {:?})", manager.agent_ids()),
+                format!(
+                    "seat {seat} is played by agent {agent}, but the adapters have no agent {agent} (agents: {:?})",
+                    manager.agent_ids()
+                ),
             ));
         }
     }
     let mut baselines: BTreeMap<SeatId, Box<dyn Policy>> = BTreeMap::new();
     for (&seat, name) in &config.eval.baseline_seats {
-        baselines.insert(seat, registry.make_policy(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?);
+        baselines.insert(
+            seat,
+            registry.make_policy(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?,
+        );
     }
     let rollout = config.eval_rollout_config();
     let spec = config.eval_env_spec();
@@ -100,7 +112,16 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
     for chunk in seeds.chunks(config.eval.batch_episodes.max(1)) {
         let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
-        records.extend(run_episodes_with_baselines(model, manager, &mut envs, chunk, &config.agents.seats, &mut baselines, &rollout, &mut rng)?);
+        records.extend(run_episodes_with_baselines(
+            model,
+            manager,
+            &mut envs,
+            chunk,
+            &config.agents.seats,
+            &mut baselines,
+            &rollout,
+            &mut rng,
+        )?);
     }
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
     let names: std::collections::BTreeSet<&String> = records.iter().flat_map(|e| e.metrics.keys()).collect();
@@ -120,7 +141,8 @@ pub fn evaluate(model: &Model, manager: &MultiAdapterManager, config: &TrainConf
     }
     let mut agent_return = BTreeMap::new();
     for (agent, seats) in agent_seats {
-        let returns: Vec<f64> = records.iter().map(|e| seats.iter().filter_map(|&seat| e.env_returns.get(seat)).sum()).collect();
+        let returns: Vec<f64> =
+            records.iter().map(|e| seats.iter().filter_map(|&seat| e.env_returns.get(seat)).sum()).collect();
         agent_return.insert(agent, MeanStderr::of(&returns));
     }
     let turns: usize = records.iter().map(|e| e.turns.len()).sum();
@@ -182,7 +204,8 @@ mod tests {
         // The training cap of 2 moves does not apply: every game runs to its end (three lost
         // lives at the least, so at least 3 moves).
         assert!(summary["mean_steps"].as_f64().unwrap() >= 3.0, "{summary}");
-        let other = TrainConfig { eval: crate::rl::config::EvalSection { seed: 78, ..config.eval.clone() }, ..config.clone() };
+        let other =
+            TrainConfig { eval: crate::rl::config::EvalSection { seed: 78, ..config.eval.clone() }, ..config.clone() };
         let mut moved = evaluate(&model, &manager, &other, 3, &registry).unwrap();
         moved.seconds = 0.0;
         assert_ne!(serde_json::to_string(&moved).unwrap(), first, "other deals, another summary");

@@ -58,8 +58,9 @@ impl ExternalRewards {
         for function in pipeline.external_functions() {
             let command = function.command.join(" ");
             let timeout = Duration::from_secs_f64(function.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S));
-            let process = Process::start(&function.command, timeout)
-                .map_err(|message| TroupeError::invalid("rewards.functions", format!("external reward {command}: {message}")))?;
+            let process = Process::start(&function.command, timeout).map_err(|message| {
+                TroupeError::invalid("rewards.functions", format!("external reward {command}: {message}"))
+            })?;
             functions.push(ExternalReward { command, process: Mutex::new(process) });
         }
         Ok(Self { functions })
@@ -81,7 +82,9 @@ impl ExternalRewards {
         }
         let episodes = serde_json::to_value(items).map_err(|e| TroupeError::invalid("rewards", e.to_string()))?;
         for function in &self.functions {
-            let fail = |message: String| TroupeError::invalid("rewards.functions", format!("external reward {}: {message}", function.command));
+            let fail = |message: String| {
+                TroupeError::invalid("rewards.functions", format!("external reward {}: {message}", function.command))
+            };
             let mut fields = Map::new();
             fields.insert("episodes".to_string(), episodes.clone());
             let mut process = function.process.lock().unwrap_or_else(|e| e.into_inner());
@@ -89,7 +92,10 @@ impl ExternalRewards {
                 CallError::Refused(message) => fail(format!("refused `score`: {message}")),
                 CallError::Broken(message) => fail(message),
             })?;
-            let rewards = result.get("rewards").and_then(Value::as_array).ok_or_else(|| fail(format!("answered `score` without a `rewards` list: {result}")))?;
+            let rewards = result
+                .get("rewards")
+                .and_then(Value::as_array)
+                .ok_or_else(|| fail(format!("answered `score` without a `rewards` list: {result}")))?;
             if rewards.len() != items.len() {
                 return Err(fail(format!("answered {} rewards for {} episodes", rewards.len(), items.len())));
             }
@@ -100,9 +106,9 @@ impl ExternalRewards {
                     Value::Array(list) if list.len() == seats => list.iter().map(Value::as_f64).collect(),
                     _ => None,
                 };
-                let per_seat = per_seat
-                    .filter(|v| v.iter().all(|x| x.is_finite()))
-                    .ok_or_else(|| fail(format!("episode {e}: reward {reward} is not a finite number or a list of {seats}")))?;
+                let per_seat = per_seat.filter(|v| v.iter().all(|x| x.is_finite())).ok_or_else(|| {
+                    fail(format!("episode {e}: reward {reward} is not a finite number or a list of {seats}"))
+                })?;
                 for (seat, x) in per_seat.into_iter().enumerate() {
                     values[e][seat].push(x);
                 }

@@ -36,7 +36,9 @@ impl FlopModel {
     /// Forward FLOPs of one causal sequence of `len` tokens with logits at `logits` positions.
     pub fn causal(&self, len: usize, logits: usize) -> f64 {
         let n = len as f64;
-        n * self.linear_per_token + n * (n + 1.0) / 2.0 * self.attention_per_pair + logits as f64 * self.head_per_position
+        n * self.linear_per_token
+            + n * (n + 1.0) / 2.0 * self.attention_per_pair
+            + logits as f64 * self.head_per_position
     }
 
     /// Forward FLOPs of one packed `choice` decision: a prompt of `prompt` tokens, then

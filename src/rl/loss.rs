@@ -58,7 +58,12 @@ impl TokenWeights {
 ///
 /// # Shapes
 /// `logprobs`, `reference`: `[rows, positions]` -> `[1]`
-pub fn policy_loss(logprobs: Tensor<2>, weights: &TokenWeights, reference: Option<(Tensor<2>, f64)>, scale: f64) -> Result<Tensor<1>> {
+pub fn policy_loss(
+    logprobs: Tensor<2>,
+    weights: &TokenWeights,
+    reference: Option<(Tensor<2>, f64)>,
+    scale: f64,
+) -> Result<Tensor<1>> {
     let dims = logprobs.dims();
     if weights.advantage.len() != dims[0] || weights.advantage.first().map_or(0, Vec::len) != dims[1] {
         return Err(TroupeError::invalid("weights", format!("shape does not match the log-probs {dims:?}")));

@@ -65,12 +65,10 @@ impl From<&IterationStats> for IterationMetrics {
     /// episode length and (when on) the KL estimate go to `extra` as `score`,
     /// `episode_steps` and `kl`.
     fn from(stats: &IterationStats) -> Self {
-        let mut extra: BTreeMap<String, f64> = [
-            ("score".to_string(), stats.mean_score),
-            ("episode_steps".to_string(), stats.mean_episode_steps),
-        ]
-        .into_iter()
-        .collect();
+        let mut extra: BTreeMap<String, f64> =
+            [("score".to_string(), stats.mean_score), ("episode_steps".to_string(), stats.mean_episode_steps)]
+                .into_iter()
+                .collect();
         if let Some(kl) = stats.kl {
             extra.insert("kl".to_string(), kl);
         }

@@ -99,7 +99,9 @@ pub fn learning_curves(records: &[IterationMetrics]) -> Vec<Chart> {
         .filter_map(|(name, value, spread)| {
             let values: Vec<(f64, f64, f64)> = records
                 .iter()
-                .filter_map(|r| value(r).map(|v| (r.iteration as f64, v, spread.as_ref().and_then(|s| s(r)).unwrap_or(0.0))))
+                .filter_map(|r| {
+                    value(r).map(|v| (r.iteration as f64, v, spread.as_ref().and_then(|s| s(r)).unwrap_or(0.0)))
+                })
                 .collect();
             (!values.is_empty()).then(|| Series {
                 name: name.to_string(),

@@ -20,11 +20,14 @@ const SAMPLED_STARTS: u64 = 4;
 pub fn check_against_model(config: &TrainConfig, origin: &Path, model: &Model, registry: &Registry) -> Result<()> {
     let context = model.lm.config.max_position_embeddings;
     let budget = config.action.max_new_tokens;
-    let fail = |key: &str, message: String| TroupeError::Config { path: origin.to_path_buf(), key: key.to_string(), message };
+    let fail =
+        |key: &str, message: String| TroupeError::Config { path: origin.to_path_buf(), key: key.to_string(), message };
     if budget >= context {
         return Err(fail(
             "action.max_new_tokens",
-            format!("{budget} new tokens do not fit in the model's context of {context} tokens (max_position_embeddings)"),
+            format!(
+                "{budget} new tokens do not fit in the model's context of {context} tokens (max_position_embeddings)"
+            ),
         ));
     }
     let chat_template = config.rollout_config().chat_template;

@@ -137,7 +137,9 @@ impl ReplyWriter for AdapterWriter<'_> {
         }
         let prompts = requests
             .iter()
-            .map(|r| self.model.tokenizer.encode(&chat_prompt(self.model, &r.system, &r.user, self.rollout.chat_template)?))
+            .map(|r| {
+                self.model.tokenizer.encode(&chat_prompt(self.model, &r.system, &r.user, self.rollout.chat_template)?)
+            })
             .collect::<Result<Vec<_>>>()?;
         let rows: Vec<Option<usize>> = requests.iter().map(|r| Some(r.agent)).collect();
         let (delta, _) = self.manager.mixed(&rows, false)?;
@@ -350,7 +352,11 @@ pub fn run_protocol(
 
 /// Runs `protocol` on one coding episode per seed, every round's replies from one `writer`
 /// call, and scores the final code in the sandbox.
-pub fn run_protocol_with(writer: &mut dyn ReplyWriter, setup: &ProtocolSetup<'_>, protocol: CodingProtocol) -> Result<ProtocolRun> {
+pub fn run_protocol_with(
+    writer: &mut dyn ReplyWriter,
+    setup: &ProtocolSetup<'_>,
+    protocol: CodingProtocol,
+) -> Result<ProtocolRun> {
     let mut envs = build_envs(setup)?;
     let agent = |seat: SeatId| setup.seat_agents[seat];
     let first_seats: &[SeatId] = match protocol {
@@ -383,7 +389,8 @@ pub fn run_protocol_with(writer: &mut dyn ReplyWriter, setup: &ProtocolSetup<'_>
                 let env = episode.coding();
                 let helper = env.params().helper_name.as_str();
                 let entry = env.problem().entry_point.as_str();
-                let code = |seat: SeatId| drafts.iter().find(|r| r.request.seat == seat).and_then(|r| r.code.as_deref());
+                let code =
+                    |seat: SeatId| drafts.iter().find(|r| r.request.seat == seat).and_then(|r| r.code.as_deref());
                 let seats: &[SeatId] =
                     if protocol == CodingProtocol::Sequential { &[MAIN_SEAT] } else { &[HELPER_SEAT, MAIN_SEAT] };
                 seats
@@ -520,7 +527,12 @@ fn score_episodes(
 }
 
 /// Scores one episode: the last reply of each seat (a missing or invalid one counts as no code).
-fn score_episode(episode: &mut Episode, seed: u64, replies: Vec<ProtocolReply>, protocol: CodingProtocol) -> Result<ProtocolEpisode> {
+fn score_episode(
+    episode: &mut Episode,
+    seed: u64,
+    replies: Vec<ProtocolReply>,
+    protocol: CodingProtocol,
+) -> Result<ProtocolEpisode> {
     let last_code = |seat: SeatId| {
         replies.iter().rev().find(|r| r.request.seat == seat).and_then(|r| r.code.clone()).unwrap_or_default()
     };
@@ -736,7 +748,10 @@ mod tests {
         let setup = ProtocolSetup { env_spec: &spec(), registry: &registry, seeds: &SEEDS[..1], seat_agents: &[0, 1] };
         let run = run_protocol_with(&mut canonical, &setup, CodingProtocol::Sequential).unwrap();
         let replies = &run.episodes[0].replies;
-        assert_eq!(replies.iter().map(|r| (r.round, r.request.seat)).collect::<Vec<_>>(), [(0, HELPER_SEAT), (1, MAIN_SEAT)]);
+        assert_eq!(
+            replies.iter().map(|r| (r.round, r.request.seat)).collect::<Vec<_>>(),
+            [(0, HELPER_SEAT), (1, MAIN_SEAT)]
+        );
         let helper_code = replies[0].code.as_deref().unwrap();
         assert!(helper_code.starts_with("def aux"));
         assert!(replies[1].request.user.contains(helper_code), "{}", replies[1].request.user);

@@ -72,9 +72,14 @@ impl RewardFunction {
     /// the environment does not report that metric.
     pub fn evaluate(&self, outcome: &SeatOutcome<'_>, index: usize) -> Result<f64> {
         match self {
-            RewardFunction::External | RewardFunction::Registered(_) => outcome.computed.get(index).copied().ok_or_else(|| {
-                TroupeError::invalid("rewards.functions", format!("reward function `{}` gave no value", self.name()))
-            }),
+            RewardFunction::External | RewardFunction::Registered(_) => {
+                outcome.computed.get(index).copied().ok_or_else(|| {
+                    TroupeError::invalid(
+                        "rewards.functions",
+                        format!("reward function `{}` gave no value", self.name()),
+                    )
+                })
+            }
             RewardFunction::EnvReturn => Ok(outcome.env_return),
             RewardFunction::Score => outcome.metrics.get("score").copied().ok_or_else(|| TroupeError::MissingMetric {
                 function: self.name().to_string(),
@@ -220,7 +225,10 @@ impl RewardPipeline {
             if !external && (!function.command.is_empty() || function.timeout_s.is_some()) {
                 return Err(TroupeError::invalid(
                     &format!("rewards.functions[{i}].command"),
-                    format!("only an external reward function takes a command or timeout_s, not {}", function.name.name()),
+                    format!(
+                        "only an external reward function takes a command or timeout_s, not {}",
+                        function.name.name()
+                    ),
                 ));
             }
             if let Some(t) = function.timeout_s.filter(|t| !(t.is_finite() && *t > 0.0)) {
@@ -292,7 +300,10 @@ impl RewardPipeline {
         metrics: &EpisodeMetrics,
     ) -> Result<Vec<f64>> {
         if self.computed_functions().next().is_some() {
-            return Err(TroupeError::invalid("rewards.functions", "computed reward values are needed (see shaped_step_rewards)"));
+            return Err(TroupeError::invalid(
+                "rewards.functions",
+                "computed reward values are needed (see shaped_step_rewards)",
+            ));
         }
         if returns.len() != invalid_actions.len() {
             return Err(TroupeError::invalid(
@@ -303,7 +314,9 @@ impl RewardPipeline {
         returns
             .iter()
             .zip(invalid_actions)
-            .map(|(&env_return, &invalid_actions)| self.reward(&SeatOutcome { env_return, invalid_actions, metrics, computed: &[] }))
+            .map(|(&env_return, &invalid_actions)| {
+                self.reward(&SeatOutcome { env_return, invalid_actions, metrics, computed: &[] })
+            })
             .collect()
     }
 }

@@ -150,7 +150,13 @@ impl EpisodeRecord {
 
 /// The prompt text for a seat: the environment's instructions and observation, in the model's
 /// chat template when it has one and `chat_template` is on.
-pub fn prompt_text(model: &Model, env: &dyn Environment, seat: SeatId, chat_template: bool, note: Option<&str>) -> Result<String> {
+pub fn prompt_text(
+    model: &Model,
+    env: &dyn Environment,
+    seat: SeatId,
+    chat_template: bool,
+    note: Option<&str>,
+) -> Result<String> {
     let mut observation = env.observation(seat);
     if let Some(note) = note {
         observation.push_str("\n\n");
@@ -233,7 +239,14 @@ pub fn run_episodes_with_baselines(
         if seat_agents.len() < env.num_seats() {
             return Err(TroupeError::invalid("seat_agents", format!("{} seats need an agent each", env.num_seats())));
         }
-        records.push(EpisodeRecord { seed, turns: Vec::new(), env_returns: vec![0.0; env.num_seats()], metrics: Default::default(), steps: 0, step_rewards: Vec::new() });
+        records.push(EpisodeRecord {
+            seed,
+            turns: Vec::new(),
+            env_returns: vec![0.0; env.num_seats()],
+            metrics: Default::default(),
+            steps: 0,
+            step_rewards: Vec::new(),
+        });
     }
     let mut ended = vec![false; envs.len()];
     loop {
@@ -248,13 +261,20 @@ pub fn run_episodes_with_baselines(
             let mut sources = Vec::new();
             for seat in env.acting_seats() {
                 if let Some(policy) = baselines.get_mut(&seat) {
-                    let action = policy.act(env.as_ref(), seat, rng).map_err(|e| TroupeError::invalid("baseline", format!("seat {seat}: {e}")))?;
+                    let action = policy
+                        .act(env.as_ref(), seat, rng)
+                        .map_err(|e| TroupeError::invalid("baseline", format!("seat {seat}: {e}")))?;
                     sources.push(Source::Baseline(action));
                     continue;
                 }
                 let text = prompt_text(model, env.as_ref(), seat, config.chat_template, None)?;
                 sources.push(Source::Row(pending.len()));
-                pending.push(Pending { episode: i, seat, agent: seat_agents[seat], prompt_ids: model.tokenizer.encode(&text)? });
+                pending.push(Pending {
+                    episode: i,
+                    seat,
+                    agent: seat_agents[seat],
+                    prompt_ids: model.tokenizer.encode(&text)?,
+                });
             }
             if !sources.is_empty() {
                 acting.push((i, sources));
@@ -288,7 +308,8 @@ pub fn run_episodes_with_baselines(
             joint.iter().filter_map(|(episode, actions)| actions.clone().map(|a| (*episode, a))).collect();
         let mut stepped = troupe_envs::batch::step_all(envs, &steps).into_iter();
         for ((episode, sources), (_, actions)) in acting.into_iter().zip(&joint) {
-            let rows: Vec<usize> = sources.iter().filter_map(|s| if let Source::Row(r) = s { Some(*r) } else { None }).collect();
+            let rows: Vec<usize> =
+                sources.iter().filter_map(|s| if let Source::Row(r) = s { Some(*r) } else { None }).collect();
             let record = &mut records[episode];
             let outcome = if actions.is_some() { stepped.next() } else { None };
             let step_rewards = match outcome {
@@ -372,19 +393,33 @@ fn decide_free(
         let (delta, _) = manager.mixed(&rows, false)?;
         let options = reply_options(config, rng);
         let batch: Vec<Vec<u32>> = todo.iter().map(|&r| prompts[r].clone()).collect();
-        let outputs = generate(&model.lm, &model.tokenizer.eos_token_ids, &batch, &options, Some(&delta as &dyn ProjectionDelta))?;
+        let outputs = generate(
+            &model.lm,
+            &model.tokenizer.eos_token_ids,
+            &batch,
+            &options,
+            Some(&delta as &dyn ProjectionDelta),
+        )?;
         let mut still = Vec::new();
         for (&r, out) in todo.iter().zip(outputs) {
             let p = &pending[r];
             let text = model.tokenizer.decode(&out.output_ids, true)?;
             match envs[p.episode].parse_action(p.seat, &text) {
-                Ok(action) => decided[r] = Some(Decided { action: Some(action), completion_ids: out.output_ids, invalid: attempt > 0, choice: None }),
+                Ok(action) => {
+                    decided[r] = Some(Decided {
+                        action: Some(action),
+                        completion_ids: out.output_ids,
+                        invalid: attempt > 0,
+                        choice: None,
+                    })
+                }
                 Err(ActionError::Failed(message)) => {
                     return Err(TroupeError::invalid("env", format!("{}: {message}", envs[p.episode].name())));
                 }
                 Err(err) if attempt < retries => {
                     let note = format!("Your reply {text:?} was not a legal action: {err}. Answer again.");
-                    let prompt = prompt_text(model, envs[p.episode].as_ref(), p.seat, config.chat_template, Some(&note))?;
+                    let prompt =
+                        prompt_text(model, envs[p.episode].as_ref(), p.seat, config.chat_template, Some(&note))?;
                     prompts[r] = model.tokenizer.encode(&prompt)?;
                     still.push(r);
                 }
@@ -410,10 +445,16 @@ fn decide_free(
 fn finite_legal_actions(envs: &[Box<dyn Environment>], p: &Pending, mode: ActionMode) -> Result<Vec<LegalAction>> {
     let env = envs[p.episode].as_ref();
     let legal = env.legal_actions(p.seat).ok_or_else(|| {
-        TroupeError::invalid("action.mode", format!("`{mode}` mode needs finite legal actions; {} takes open-ended text (use `free`)", env.name()))
+        TroupeError::invalid(
+            "action.mode",
+            format!("`{mode}` mode needs finite legal actions; {} takes open-ended text (use `free`)", env.name()),
+        )
     })?;
     if legal.is_empty() {
-        return Err(TroupeError::invalid("action.mode", format!("`{mode}` mode: seat {} of {} must act but has no legal action", p.seat, env.name())));
+        return Err(TroupeError::invalid(
+            "action.mode",
+            format!("`{mode}` mode: seat {} of {} must act but has no legal action", p.seat, env.name()),
+        ));
     }
     Ok(legal)
 }
@@ -468,7 +509,12 @@ fn decide_constrained(
         .zip(legal_ids)
         .map(|(out, ids)| {
             let picked = out.sequence.expect("a constrained row always completes a sequence");
-            Decided { action: Some(Action::Id(ids[picked])), completion_ids: out.output_ids, invalid: false, choice: None }
+            Decided {
+                action: Some(Action::Id(ids[picked])),
+                completion_ids: out.output_ids,
+                invalid: false,
+                choice: None,
+            }
         })
         .collect())
 }
@@ -495,7 +541,8 @@ fn decide_choice(
         }
         candidates.push(list);
     }
-    let token_lists: Vec<Vec<Vec<u32>>> = candidates.iter().map(|l| l.iter().map(|(_, ids)| ids.clone()).collect()).collect();
+    let token_lists: Vec<Vec<Vec<u32>>> =
+        candidates.iter().map(|l| l.iter().map(|(_, ids)| ids.clone()).collect()).collect();
     let agents: Vec<Option<usize>> = pending.iter().map(|p| Some(p.agent)).collect();
     let (delta, _) = manager.mixed(&agents, false)?;
     let decisions: Vec<(&[u32], &[Vec<u32>])> =
@@ -555,10 +602,10 @@ pub fn make_env(registry: &Registry, spec: &serde_json::Value) -> Result<Box<dyn
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rand::SeedableRng;
     use crate::adapters::AdapterConfig;
     use crate::model::Preset;
     use burn::tensor::Device;
+    use rand::SeedableRng;
 
     fn setup() -> (Model, MultiAdapterManager, Vec<Box<dyn Environment>>) {
         let device = Device::flex();
@@ -610,7 +657,9 @@ mod tests {
         // An untrained tiny model rarely writes a legal move: the invalid rate is measured.
         assert!(a.iter().map(EpisodeRecord::invalid_rate).sum::<f64>() > 0.0);
         let b = run(&mut envs);
-        let ids = |r: &[EpisodeRecord]| r.iter().map(|e| e.turns.iter().map(|t| t.completion_ids.clone()).collect::<Vec<_>>()).collect::<Vec<_>>();
+        let ids = |r: &[EpisodeRecord]| {
+            r.iter().map(|e| e.turns.iter().map(|t| t.completion_ids.clone()).collect::<Vec<_>>()).collect::<Vec<_>>()
+        };
         assert_eq!(ids(&a), ids(&b), "same seeds and rng: same rollouts");
     }
 
@@ -645,7 +694,11 @@ mod tests {
     #[test]
     fn constrained_mode_replies_always_spell_a_legal_action() {
         let (model, manager, mut envs) = setup();
-        let cfg = RolloutConfig { max_episode_steps: 8, max_new_tokens: 1, ..config(ActionMode::Constrained, Fallback::EndEpisode) };
+        let cfg = RolloutConfig {
+            max_episode_steps: 8,
+            max_new_tokens: 1,
+            ..config(ActionMode::Constrained, Fallback::EndEpisode)
+        };
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         let seeds = [11, 12, 13];
         let records = run_episodes(&model, &manager, &mut envs, &seeds, &[0, 1], &cfg, &mut rng).unwrap();
@@ -677,7 +730,8 @@ mod tests {
             }
             assert_eq!(env.returns(), record.env_returns, "the replay reaches the same returns");
         }
-        let distinct: std::collections::HashSet<_> = records.iter().flat_map(|r| r.turns.iter().map(|t| t.completion_ids.clone())).collect();
+        let distinct: std::collections::HashSet<_> =
+            records.iter().flat_map(|r| r.turns.iter().map(|t| t.completion_ids.clone())).collect();
         assert!(distinct.len() > 3, "sampling varies the actions: {}", distinct.len());
     }
 
@@ -690,7 +744,11 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(4);
         let record = run_episodes(&model, &manager, &mut envs, &[21], &[0, 1, 0, 1], &cfg, &mut rng).unwrap().remove(0);
         assert_eq!((record.steps, record.turns.len()), (6, 6), "every call was legal, so the auction went on");
-        assert!(record.turns.iter().enumerate().all(|(i, t)| !t.invalid && t.agent == t.seat % 2 && t.seat == (record.turns[0].seat + i) % 4));
+        assert!(record
+            .turns
+            .iter()
+            .enumerate()
+            .all(|(i, t)| !t.invalid && t.agent == t.seat % 2 && t.seat == (record.turns[0].seat + i) % 4));
     }
 
     #[test]

@@ -74,7 +74,12 @@ impl TrainingRun {
     /// Refuses a directory that holds a run already, or anything else (it is not troupe's to
     /// fill), and one another trainer holds; checks the config against the model before the
     /// directory is created.
-    pub fn start(config: TrainConfig, origin: &Path, registry: Registry, device: &burn::tensor::Device) -> Result<Self> {
+    pub fn start(
+        config: TrainConfig,
+        origin: &Path,
+        registry: Registry,
+        device: &burn::tensor::Device,
+    ) -> Result<Self> {
         config.build_env(origin, &registry)?;
         let run_dir = config.run.out_dir.clone();
         // A directory a trainer made (or is making) is locked first, so that a trainer still
@@ -98,13 +103,7 @@ impl TrainingRun {
 
     /// The fresh state of a run in `run_dir` (locked): `config.yaml`, the reference copy of
     /// the config, an empty `metrics.jsonl` and the checkpoint of iteration 0.
-    fn begin(
-        config: TrainConfig,
-        run_dir: PathBuf,
-        model: Model,
-        registry: Registry,
-        lock: RunLock,
-    ) -> Result<Self> {
+    fn begin(config: TrainConfig, run_dir: PathBuf, model: Model, registry: Registry, lock: RunLock) -> Result<Self> {
         let manager = fresh_adapters(&config, &model)?;
         let trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
         config.save(&run_dir)?;
@@ -118,10 +117,18 @@ impl TrainingRun {
     /// Continues the run in `run_dir` from its newest complete checkpoint. `overrides`
     /// (`--set`) may only change `run.iterations`, `run.checkpoint_every` and `run.log_every`:
     /// anything else would make the continued run a different experiment.
-    pub fn resume(run_dir: &Path, overrides: &[String], registry: Registry, device: &burn::tensor::Device) -> Result<Self> {
+    pub fn resume(
+        run_dir: &Path,
+        overrides: &[String],
+        registry: Registry,
+        device: &burn::tensor::Device,
+    ) -> Result<Self> {
         let config_path = run_dir.join(CONFIG_FILE);
         if !config_path.exists() {
-            return Err(TroupeError::Checkpoint { path: run_dir.to_path_buf(), message: format!("no {CONFIG_FILE}: not a run directory") });
+            return Err(TroupeError::Checkpoint {
+                path: run_dir.to_path_buf(),
+                message: format!("no {CONFIG_FILE}: not a run directory"),
+            });
         }
         let lock = RunLock::acquire(run_dir)?;
         for raw in overrides {
@@ -249,7 +256,10 @@ fn check_fresh_dir(run_dir: &Path) -> Result<()> {
         });
     }
     if run_dir.exists() && !run_dir.is_dir() {
-        return Err(TroupeError::Checkpoint { path: run_dir.to_path_buf(), message: "run.out_dir is a file, not a directory".into() });
+        return Err(TroupeError::Checkpoint {
+            path: run_dir.to_path_buf(),
+            message: "run.out_dir is a file, not a directory".into(),
+        });
     }
     if let Ok(entries) = std::fs::read_dir(run_dir) {
         let others: Vec<String> = entries
@@ -294,7 +304,11 @@ fn load_newest_readable(
                 let aside = dir.with_file_name(format!("corrupt-{name}"));
                 let _ = std::fs::remove_dir_all(&aside);
                 std::fs::rename(&dir, &aside).map_err(|e| TroupeError::io(&dir, e))?;
-                failures.push(format!("checkpoint {} is unreadable ({err}); moved to {}", dir.display(), aside.display()));
+                failures.push(format!(
+                    "checkpoint {} is unreadable ({err}); moved to {}",
+                    dir.display(),
+                    aside.display()
+                ));
             }
         }
     }

@@ -194,24 +194,43 @@ impl Sample {
 
 impl MagrpoTrainer {
     /// A trainer over `model` and `manager`, building environments from `registry`.
-    pub fn new(model: Model, manager: MultiAdapterManager, registry: Registry, settings: TrainerSettings) -> Result<Self> {
+    pub fn new(
+        model: Model,
+        manager: MultiAdapterManager,
+        registry: Registry,
+        settings: TrainerSettings,
+    ) -> Result<Self> {
         if settings.group_size < 2 {
             return Err(TroupeError::invalid("group_size", "a group needs at least 2 rollouts"));
         }
         for (seat, agent) in settings.seat_agents.iter().enumerate() {
-            manager.adapter_name(*agent).map_err(|_| TroupeError::invalid("seat_agents", format!("seat {seat} maps to agent {agent}, which has no adapter")))?;
+            manager.adapter_name(*agent).map_err(|_| {
+                TroupeError::invalid("seat_agents", format!("seat {seat} maps to agent {agent}, which has no adapter"))
+            })?;
         }
         make_env(&registry, &settings.env_spec)?;
         let rng = ChaCha8Rng::seed_from_u64(settings.seed);
         let mut registered_rewards = Vec::new();
         for function in settings.rewards.functions() {
             if let RewardFunction::Registered(name) = &function.name {
-                let found = registry.reward(name).ok_or_else(|| TroupeError::invalid("rewards.functions", format!("no reward function {name:?} is registered")))?;
+                let found = registry.reward(name).ok_or_else(|| {
+                    TroupeError::invalid("rewards.functions", format!("no reward function {name:?} is registered"))
+                })?;
                 registered_rewards.push(found);
             }
         }
         let external_rewards = ExternalRewards::start(&settings.rewards)?;
-        Ok(Self { model, manager, optimizer_states: BTreeMap::new(), iteration: 0, rng, settings, registry, external_rewards, registered_rewards })
+        Ok(Self {
+            model,
+            manager,
+            optimizer_states: BTreeMap::new(),
+            iteration: 0,
+            rng,
+            settings,
+            registry,
+            external_rewards,
+            registered_rewards,
+        })
     }
 
     /// The settings the trainer was built with.
@@ -269,7 +288,13 @@ impl MagrpoTrainer {
             let mut per_seat = Vec::with_capacity(item.returns.len());
             for (seat, external) in external.into_iter().enumerate() {
                 let invalid_actions = episode.turns.iter().filter(|t| t.seat == seat && t.invalid).count();
-                let input = RewardInput { seat, env_return: item.returns[seat], invalid_actions, metrics: &item.metrics, completions: &item.completions[seat] };
+                let input = RewardInput {
+                    seat,
+                    env_return: item.returns[seat],
+                    invalid_actions,
+                    metrics: &item.metrics,
+                    completions: &item.completions[seat],
+                };
                 let (mut external, mut registered) = (external.into_iter(), self.registered_rewards.iter());
                 let mut seat_values = Vec::new();
                 for function in self.settings.rewards.computed_functions() {
@@ -277,9 +302,14 @@ impl MagrpoTrainer {
                         RewardFunction::External => external.next(),
                         _ => registered.next().map(|f| f(&input)),
                     };
-                    let value = value.ok_or_else(|| TroupeError::invalid("rewards.functions", format!("`{}` gave no value", function.name.name())))?;
+                    let value = value.ok_or_else(|| {
+                        TroupeError::invalid("rewards.functions", format!("`{}` gave no value", function.name.name()))
+                    })?;
                     if !value.is_finite() {
-                        return Err(TroupeError::invalid("rewards.functions", format!("reward function `{}` gave {value} for seat {seat}", function.name.name())));
+                        return Err(TroupeError::invalid(
+                            "rewards.functions",
+                            format!("reward function `{}` gave {value} for seat {seat}", function.name.name()),
+                        ));
                     }
                     seat_values.push(value);
                 }
@@ -325,7 +355,8 @@ impl MagrpoTrainer {
                     .zip(group_returns)
                     .map(|(e, r)| e.turns.iter().zip(r).filter(|(t, _)| t.agent == agent).map(|(_, g)| *g).collect())
                     .collect();
-                let advantages = estimate_turn_advantages(&per_episode, self.settings.advantage, self.settings.scale_rewards);
+                let advantages =
+                    estimate_turn_advantages(&per_episode, self.settings.advantage, self.settings.scale_rewards);
                 for (episode, adv) in group.iter().zip(advantages) {
                     for (turn, a) in episode.turns.iter().filter(|t| t.agent == agent).zip(adv) {
                         if turn.completion_ids.is_empty() {
@@ -335,14 +366,21 @@ impl MagrpoTrainer {
                         if turn.choice.is_none() {
                             tokens.extend_from_slice(&turn.completion_ids);
                         }
-                        samples.push(Sample { agent, tokens, prompt_len: turn.prompt_ids.len(), advantage: a, choice: turn.choice.clone() });
+                        samples.push(Sample {
+                            agent,
+                            tokens,
+                            prompt_len: turn.prompt_ids.len(),
+                            advantage: a,
+                            choice: turn.choice.clone(),
+                        });
                     }
                 }
             }
         }
         if self.settings.scale_rewards == RewardScaling::Batch {
             for &agent in &agents {
-                let mut advantages: Vec<f64> = samples.iter().filter(|s| s.agent == agent).map(|s| s.advantage).collect();
+                let mut advantages: Vec<f64> =
+                    samples.iter().filter(|s| s.agent == agent).map(|s| s.advantage).collect();
                 scale_by_batch_std(&mut advantages);
                 for (sample, a) in samples.iter_mut().filter(|s| s.agent == agent).zip(advantages) {
                     sample.advantage = a;
@@ -368,7 +406,14 @@ impl MagrpoTrainer {
             AdapterMode::PerAgent => 1.0,
         };
         let per_agent = |s: &Sample, x: f64| (x / (units_per_agent[&s.agent] as f64 * shared_divisor)) as f32;
-        let mut pass = BackwardPass { grads: BTreeMap::new(), flops: 0.0, loss: 0.0, kl_sum: 0.0, kl_tokens: 0, tokens_per_agent: BTreeMap::new() };
+        let mut pass = BackwardPass {
+            grads: BTreeMap::new(),
+            flops: 0.0,
+            loss: 0.0,
+            kl_sum: 0.0,
+            kl_tokens: 0,
+            tokens_per_agent: BTreeMap::new(),
+        };
         let micro = self.settings.micro_batch_rows.max(1);
         // Every sample is scored, even one with zero advantage: its log-probs are what reveal a
         // diverged (non-finite) adapter before any update.
@@ -412,7 +457,8 @@ impl MagrpoTrainer {
                 .collect();
             let packed = PackedChoices::new(&self.model.lm, &decisions)?;
             let score = self.settings.rollout.choice_score;
-            let log_policy = choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, Some(&delta))?, temperature);
+            let log_policy =
+                choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, Some(&delta))?, temperature);
             let device = log_policy.device();
             let chosen: Vec<usize> = chunk.iter().map(|s| s.choice.as_ref().expect("choice samples").chosen).collect();
             let taken = log_policy.clone().gather(1, chosen_indices(&chosen, &device));
@@ -421,12 +467,14 @@ impl MagrpoTrainer {
             let mut loss = (taken * weights).sum().neg();
             if kl_coef > 0.0 {
                 // The exact KL(pi || pi_base) over the candidates, pi_base with every adapter off.
-                let reference = choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, None)?, temperature).detach();
+                let reference =
+                    choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, None)?, temperature).detach();
                 let kl = (log_policy.clone().exp() * (log_policy - reference)).sum_dim(1);
                 pass.kl_sum += f64::from(kl.clone().detach().sum().into_scalar::<f32>());
                 pass.kl_tokens += chunk.len();
                 let kl_weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, kl_coef)).collect();
-                let kl_weights = Tensor::<2>::from_data(burn::tensor::TensorData::new(kl_weights, [chunk.len(), 1]), &device);
+                let kl_weights =
+                    Tensor::<2>::from_data(burn::tensor::TensorData::new(kl_weights, [chunk.len(), 1]), &device);
                 loss = loss + (kl * kl_weights).sum();
             }
             self.accumulate(&mut pass, loss, &used)?;
@@ -439,13 +487,20 @@ impl MagrpoTrainer {
     fn sample_flops(&self, s: &Sample) -> f64 {
         let model = FlopModel::new(&self.model.lm.config);
         match &s.choice {
-            Some(choice) => model.packed_choice(s.prompt_len, &choice.candidates.iter().map(Vec::len).collect::<Vec<_>>()),
+            Some(choice) => {
+                model.packed_choice(s.prompt_len, &choice.candidates.iter().map(Vec::len).collect::<Vec<_>>())
+            }
             None => model.causal(s.tokens.len(), s.tokens.len() - s.prompt_len),
         }
     }
 
     /// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums.
-    fn accumulate(&self, pass: &mut BackwardPass, loss: Tensor<1>, used: &BTreeMap<String, crate::adapters::LoraAdapter>) -> Result<()> {
+    fn accumulate(
+        &self,
+        pass: &mut BackwardPass,
+        loss: Tensor<1>,
+        used: &BTreeMap<String, crate::adapters::LoraAdapter>,
+    ) -> Result<()> {
         let value: f32 = loss.clone().into_scalar();
         if !value.is_finite() {
             return Err(TroupeError::NonFinite { message: format!("the loss is {value}; stopped before any update") });
@@ -456,7 +511,10 @@ impl MagrpoTrainer {
             if let Some(g) = adapter_grads(adapter, &backward) {
                 let summed = match pass.grads.remove(name) {
                     None => g,
-                    Some(acc) => acc.into_iter().map(|(site, (a, b))| (site, (a + g[&site].0.clone(), b + g[&site].1.clone()))).collect(),
+                    Some(acc) => acc
+                        .into_iter()
+                        .map(|(site, (a, b))| (site, (a + g[&site].0.clone(), b + g[&site].1.clone())))
+                        .collect(),
                 };
                 pass.grads.insert(name.clone(), summed);
             }
@@ -467,12 +525,19 @@ impl MagrpoTrainer {
     /// One clipped AdamW step per adapter in `grads` at learning rate `lr`, with moments in
     /// `states`. Every norm is checked before any adapter moves, so a non-finite gradient
     /// changes nothing. Returns the norms before clipping.
-    fn apply_grads(&mut self, grads: BTreeMap<String, AdapterGrads>, lr: f64, states: &mut BTreeMap<String, AdamWState>) -> Result<BTreeMap<String, f64>> {
+    fn apply_grads(
+        &mut self,
+        grads: BTreeMap<String, AdapterGrads>,
+        lr: f64,
+        states: &mut BTreeMap<String, AdamWState>,
+    ) -> Result<BTreeMap<String, f64>> {
         let mut grad_norm = BTreeMap::new();
         for (name, g) in &grads {
             let norm = grad_norm_squared(g).sqrt();
             if !norm.is_finite() {
-                return Err(TroupeError::NonFinite { message: format!("adapter {name} has a non-finite gradient ({norm}); stopped before any update") });
+                return Err(TroupeError::NonFinite {
+                    message: format!("adapter {name} has a non-finite gradient ({norm}); stopped before any update"),
+                });
             }
             grad_norm.insert(name.clone(), norm);
         }
@@ -524,15 +589,25 @@ impl MagrpoTrainer {
                 let mut actions = Vec::new();
                 for seat in env.acting_seats() {
                     let legal = env.legal_actions(seat).filter(|l| !l.is_empty()).ok_or_else(|| {
-                        TroupeError::invalid("training.format_warmup_steps", format!("the format warm-up needs finite legal actions; {} has none", env.name()))
+                        TroupeError::invalid(
+                            "training.format_warmup_steps",
+                            format!("the format warm-up needs finite legal actions; {} has none", env.name()),
+                        )
                     })?;
                     let pick = &legal[rng.random_range(0..legal.len())];
-                    let prompt = prompt_text(&self.model, env.as_ref(), seat, self.settings.rollout.chat_template, None)?;
+                    let prompt =
+                        prompt_text(&self.model, env.as_ref(), seat, self.settings.rollout.chat_template, None)?;
                     let mut tokens = self.model.tokenizer.encode(&prompt)?;
                     let prompt_len = tokens.len();
                     tokens.extend(self.model.tokenizer.encode(&pick.text)?);
                     tokens.extend(eos);
-                    samples.push(Sample { agent: self.settings.seat_agents[seat], tokens, prompt_len, advantage: 1.0, choice: None });
+                    samples.push(Sample {
+                        agent: self.settings.seat_agents[seat],
+                        tokens,
+                        prompt_len,
+                        advantage: 1.0,
+                        choice: None,
+                    });
                     actions.push(Action::Id(pick.id));
                 }
                 env.step(&actions).map_err(|e| TroupeError::invalid("format warm-up", e.to_string()))?;
@@ -543,7 +618,12 @@ impl MagrpoTrainer {
             let pass = self.backward_samples(&samples, rng.random(), 0.0).map_err(|e| label_non_finite(e, &place))?;
             nll.push(pass.loss / agents as f64);
             if (step + 1) % (warmup.steps / 10).max(1) == 0 || step + 1 == warmup.steps {
-                tracing::info!("format warm-up step {}/{}: nll {:.3}", step + 1, warmup.steps, pass.loss / agents as f64);
+                tracing::info!(
+                    "format warm-up step {}/{}: nll {:.3}",
+                    step + 1,
+                    warmup.steps,
+                    pass.loss / agents as f64
+                );
             }
             self.apply_grads(pass.grads, warmup.lr, &mut states).map_err(|e| label_non_finite(e, &place))?;
         }
@@ -566,7 +646,9 @@ impl MagrpoTrainer {
             .iter()
             .map(|g| {
                 g.iter()
-                    .map(|e| shaped_step_rewards(e, &self.settings.rewards, external.next().map_or(&[][..], Vec::as_slice)))
+                    .map(|e| {
+                        shaped_step_rewards(e, &self.settings.rewards, external.next().map_or(&[][..], Vec::as_slice))
+                    })
                     .collect::<Result<Vec<_>>>()
             })
             .collect::<Result<_>>()?;
@@ -578,7 +660,8 @@ impl MagrpoTrainer {
         let samples = self.samples(&groups, &returns);
         let backward_started = Instant::now();
 
-        let pass = self.backward_samples(&samples, iteration_seed, self.settings.kl_coef)
+        let pass = self
+            .backward_samples(&samples, iteration_seed, self.settings.kl_coef)
             .map_err(|e| label_non_finite(e, &format!("iteration {iteration}")))?;
         let update_seconds = backward_started.elapsed().as_secs_f64();
         let update_flops = pass.flops;
@@ -587,7 +670,9 @@ impl MagrpoTrainer {
             .iter()
             .flat_map(|e| &e.turns)
             .map(|t| match &t.choice {
-                Some(c) => flop_model.packed_choice(t.prompt_ids.len(), &c.candidates.iter().map(Vec::len).collect::<Vec<_>>()),
+                Some(c) => {
+                    flop_model.packed_choice(t.prompt_ids.len(), &c.candidates.iter().map(Vec::len).collect::<Vec<_>>())
+                }
                 None => flop_model.causal(t.prompt_ids.len() + t.completion_ids.len(), t.completion_ids.len()),
             })
             .sum();
@@ -643,17 +728,25 @@ impl MagrpoTrainer {
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
-            phase_flops: [("rollout".to_string(), rollout_flops), ("update".to_string(), update_flops)].into_iter().collect(),
+            phase_flops: [("rollout".to_string(), rollout_flops), ("update".to_string(), update_flops)]
+                .into_iter()
+                .collect(),
             choice_entropy: {
-                let entropies: Vec<f64> = episodes.iter().flat_map(|e| &e.turns).filter_map(|t| t.choice.as_ref().map(|c| c.entropy)).collect();
+                let entropies: Vec<f64> = episodes
+                    .iter()
+                    .flat_map(|e| &e.turns)
+                    .filter_map(|t| t.choice.as_ref().map(|c| c.entropy))
+                    .collect();
                 (!entropies.is_empty()).then(|| mean_std(&entropies).0)
             },
             env_metrics: {
-                let names: std::collections::BTreeSet<&String> = episodes.iter().flat_map(|e| e.metrics.keys()).collect();
+                let names: std::collections::BTreeSet<&String> =
+                    episodes.iter().flat_map(|e| e.metrics.keys()).collect();
                 names
                     .into_iter()
                     .map(|name| {
-                        let values: Vec<f64> = episodes.iter().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
+                        let values: Vec<f64> =
+                            episodes.iter().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
                         (name.clone(), mean_std(&values).0)
                     })
                     .collect()
@@ -673,13 +766,20 @@ impl MagrpoTrainer {
 /// survives. Every seat sees every step, so in a cooperative game a seat is credited with what
 /// its partners score after its move (with identity processors and `env_return` alone, a seat's
 /// rewards are exactly its environment rewards plus penalties).
-pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline, external: &[Vec<f64>]) -> Result<Vec<Vec<f64>>> {
+pub fn shaped_step_rewards(
+    episode: &EpisodeRecord,
+    pipeline: &RewardPipeline,
+    external: &[Vec<f64>],
+) -> Result<Vec<Vec<f64>>> {
     let weight = |f: RewardFunction| pipeline.functions().iter().filter(|w| w.name == f).map(|w| w.weight).sum::<f64>();
     let (w_env, w_invalid) = (weight(RewardFunction::EnvReturn), weight(RewardFunction::InvalidActions));
     let seats = episode.env_returns.len();
     let steps = episode.step_rewards.len();
-    let mut rewards: Vec<Vec<f64>> = (0..seats).map(|seat| episode.step_rewards.iter().map(|r| w_env * r.get(seat).copied().unwrap_or(0.0)).collect()).collect();
-    let mut env_return: Vec<f64> = (0..seats).map(|seat| episode.step_rewards.iter().map(|r| r.get(seat).copied().unwrap_or(0.0)).sum()).collect();
+    let mut rewards: Vec<Vec<f64>> = (0..seats)
+        .map(|seat| episode.step_rewards.iter().map(|r| w_env * r.get(seat).copied().unwrap_or(0.0)).collect())
+        .collect();
+    let mut env_return: Vec<f64> =
+        (0..seats).map(|seat| episode.step_rewards.iter().map(|r| r.get(seat).copied().unwrap_or(0.0)).sum()).collect();
     let mut invalid = vec![0usize; seats];
     for turn in &episode.turns {
         if turn.seat < seats && turn.step < steps {
@@ -691,7 +791,12 @@ pub fn shaped_step_rewards(episode: &EpisodeRecord, pipeline: &RewardPipeline, e
     if steps > 0 {
         for seat in 0..seats {
             let values = external.get(seat).map_or(&[][..], Vec::as_slice);
-            let outcome = SeatOutcome { env_return: env_return[seat], invalid_actions: invalid[seat], metrics: &episode.metrics, computed: values };
+            let outcome = SeatOutcome {
+                env_return: env_return[seat],
+                invalid_actions: invalid[seat],
+                metrics: &episode.metrics,
+                computed: values,
+            };
             let processed = pipeline.reward(&outcome)?;
             let so_far: f64 = rewards[seat].iter().sum();
             rewards[seat][steps - 1] += processed - so_far;
@@ -747,7 +852,11 @@ mod tests {
             scale_rewards: RewardScaling::Group,
             gamma: 1.0,
             kl_coef: 0.0,
-            rewards: RewardPipeline::new(vec![crate::rl::rewards::WeightedReward::builtin(crate::rl::rewards::RewardFunction::EnvReturn, 1.0)], vec![]).unwrap(),
+            rewards: RewardPipeline::new(
+                vec![crate::rl::rewards::WeightedReward::builtin(crate::rl::rewards::RewardFunction::EnvReturn, 1.0)],
+                vec![],
+            )
+            .unwrap(),
             format_warmup: FormatWarmup::default(),
             micro_batch_rows: 2,
             seed: 3,
@@ -795,7 +904,11 @@ mod tests {
 
     /// Host values of every gradient tensor of one adapter, in site order.
     fn flat(grads: &AdapterGrads) -> Vec<f32> {
-        grads.values().flat_map(|(a, b)| [a, b]).flat_map(|t| t.clone().into_data().try_into_vec::<f32>().unwrap()).collect()
+        grads
+            .values()
+            .flat_map(|(a, b)| [a, b])
+            .flat_map(|t| t.clone().into_data().try_into_vec::<f32>().unwrap())
+            .collect()
     }
 
     #[test]
@@ -831,7 +944,9 @@ mod tests {
             let (delta, used) = t.manager.mixed_for_training(&[Some(0)], 0).unwrap();
             let decisions: Vec<(&[u32], &[Vec<u32>])> = vec![(prompt.as_slice(), candidates.as_slice())];
             let packed = PackedChoices::new(&t.model.lm, &decisions).unwrap();
-            let scores = candidate_logliks(&t.model.lm, &packed, crate::generate::choice::ChoiceScore::Mean, Some(&delta)).unwrap();
+            let scores =
+                candidate_logliks(&t.model.lm, &packed, crate::generate::choice::ChoiceScore::Mean, Some(&delta))
+                    .unwrap();
             let s_k = scores.narrow(1, k, 1).sum();
             let value: f32 = s_k.clone().into_scalar();
             let grads = s_k.backward();
@@ -851,7 +966,8 @@ mod tests {
             assert!((g - e).abs() <= 1e-4 * scale + 1e-7, "{g} vs {e}");
         }
         // Without the normaliser the gradient would be -A / T grad s(a0): not what we got.
-        let naive_gap = g0.iter().zip(&got).map(|(a, g)| (-(advantage as f32) / temperature * a - g).abs()).fold(0f32, f32::max);
+        let naive_gap =
+            g0.iter().zip(&got).map(|(a, g)| (-(advantage as f32) / temperature * a - g).abs()).fold(0f32, f32::max);
         assert!(naive_gap > 1e-3 * scale, "the normaliser's gradient is there");
     }
 

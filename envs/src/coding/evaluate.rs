@@ -305,7 +305,10 @@ pub fn interpret(linked: &LinkedOutput) -> Evaluation {
         Termination::Exited(code) if !done => Verdict::Failed {
             reason: failure.unwrap_or_else(|| {
                 let last = run.output.lines().rev().find(|line| !line.trim().is_empty()).unwrap_or("").trim();
-                format!("the judge exited with code {code} before the tests finished{}{last}", if last.is_empty() { "" } else { ": " })
+                format!(
+                    "the judge exited with code {code} before the tests finished{}{last}",
+                    if last.is_empty() { "" } else { ": " }
+                )
             }),
             failing_assert,
         },

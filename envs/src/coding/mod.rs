@@ -331,7 +331,8 @@ impl Environment for CodingEnv {
     }
 
     fn step(&mut self, actions: &[Action]) -> Result<Vec<f64>, ActionError> {
-        let texts = crate::text::two_texts(actions, self.is_terminal(), "the coding task takes code, not an action id")?;
+        let texts =
+            crate::text::two_texts(actions, self.is_terminal(), "the coding task takes code, not an action id")?;
         let record = self.score_pair(texts[HELPER_SEAT], texts[MAIN_SEAT]);
         let reward = record.scores.total;
         self.turns.push(record);

@@ -103,6 +103,9 @@ pub fn register(registry: &mut Registry) {
     );
 }
 
+/// One episode's answer to `step`: its rewards and new state, or why the step was refused.
+type StepOutcome = Result<(Vec<f64>, WireState), String>;
+
 /// One process and what it said about itself.
 pub(crate) struct Backend {
     command: String,
@@ -171,11 +174,13 @@ impl Backend {
 
     /// Resets `(episode, seed)` pairs in one exchange; one checked state per pair.
     fn reset(&self, entries: &[(u64, u64)]) -> Result<Vec<WireState>, EnvError> {
-        let episodes: Vec<Value> = entries.iter().map(|&(episode, seed)| json!({"episode": episode, "seed": seed})).collect();
+        let episodes: Vec<Value> =
+            entries.iter().map(|&(episode, seed)| json!({"episode": episode, "seed": seed})).collect();
         let mut fields = Map::new();
         fields.insert("episodes".to_string(), Value::Array(episodes));
         let result = self.call("reset", fields)?;
-        let states: WireStates = serde_json::from_value(result).map_err(|err| self.protocol_error("reset", err.to_string()))?;
+        let states: WireStates =
+            serde_json::from_value(result).map_err(|err| self.protocol_error("reset", err.to_string()))?;
         if states.states.len() != entries.len() {
             let message = format!("{} states for {} episodes", states.states.len(), entries.len());
             return Err(self.protocol_error("reset", message));
@@ -190,7 +195,7 @@ impl Backend {
 
     /// Steps `(episode, actions)` pairs in one exchange. Per entry: the rewards and the checked
     /// new state, or the process's reason for refusing the step.
-    fn step(&self, entries: &[(u64, &[Action])]) -> Result<Vec<Result<(Vec<f64>, WireState), String>>, EnvError> {
+    fn step(&self, entries: &[(u64, &[Action])]) -> Result<Vec<StepOutcome>, EnvError> {
         let episodes: Vec<Value> = entries
             .iter()
             .map(|(episode, actions)| {
@@ -216,7 +221,9 @@ impl Backend {
                         let message = format!("episode {episode}: rewards {rewards:?} for {} seats", self.num_seats);
                         return Err(self.protocol_error("step", message));
                     }
-                    state.check(self.num_seats).map_err(|m| self.protocol_error("step", format!("episode {episode}: {m}")))?;
+                    state
+                        .check(self.num_seats)
+                        .map_err(|m| self.protocol_error("step", format!("episode {episode}: {m}")))?;
                     out.push(Ok((rewards, state)));
                 }
             }
@@ -446,9 +453,7 @@ pub(crate) fn step_external(envs: &[(&ExternalEnv, &[Action])]) -> Vec<Result<Ve
                             env.view.borrow_mut().state = state;
                             Ok(rewards)
                         }
-                        Err(reason) => {
-                            Err(ActionError::Illegal { action: ExternalEnv::describe(actions), reason })
-                        }
+                        Err(reason) => Err(ActionError::Illegal { action: ExternalEnv::describe(actions), reason }),
                     });
                 }
             }

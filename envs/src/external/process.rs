@@ -52,7 +52,8 @@ impl Process {
             }
         }
         let mut child = builder.spawn().map_err(|err| format!("cannot start {program:?}: {err}"))?;
-        let (Some(mut stdin), Some(stdout), Some(stderr)) = (child.stdin.take(), child.stdout.take(), child.stderr.take())
+        let (Some(mut stdin), Some(stdout), Some(stderr)) =
+            (child.stdin.take(), child.stdout.take(), child.stderr.take())
         else {
             let _ = child.kill();
             return Err("the process's pipes could not be opened".to_string());

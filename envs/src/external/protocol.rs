@@ -198,7 +198,10 @@ mod tests {
             terminal: false,
             instructions: vec!["a".into(), "b".into()],
             observations: vec!["x".into(), "y".into()],
-            legal_actions: vec![Some(vec![LegalAction { id: 0, text: "bet".into() }, LegalAction { id: 1, text: "pass".into() }]), Some(vec![])],
+            legal_actions: vec![
+                Some(vec![LegalAction { id: 0, text: "bet".into() }, LegalAction { id: 1, text: "pass".into() }]),
+                Some(vec![]),
+            ],
             returns: vec![0.0, 0.0],
             metrics: BTreeMap::from([("score".to_string(), 0.0)]),
         }

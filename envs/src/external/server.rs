@@ -15,7 +15,13 @@ use crate::registry::Registry;
 /// Serves environment `name` of `registry` over `input`/`output` until `input` ends. The
 /// parameters of `init` are laid over `base_params` (a JSON object). A request that cannot be
 /// served is answered with an `error`; only a failure to write ends the loop early.
-pub fn serve(registry: &Registry, name: &str, base_params: &Value, input: impl BufRead, mut output: impl Write) -> Result<(), EnvError> {
+pub fn serve(
+    registry: &Registry,
+    name: &str,
+    base_params: &Value,
+    input: impl BufRead,
+    mut output: impl Write,
+) -> Result<(), EnvError> {
     let mut server = Server { registry, name, params: base_params.clone(), episodes: BTreeMap::new() };
     for line in input.lines() {
         let line = line.map_err(|err| io_error(name, err))?;

@@ -198,7 +198,12 @@ pub fn observation(state: &HanabiState, seat: usize, history_moves: usize) -> St
     }
     let _ = writeln!(out, "\nDiscards: {}.", cards(state.discards()));
     let hand = |player: usize, show: &dyn Fn(&super::cards::HandCard) -> String| -> String {
-        state.hands()[player].iter().enumerate().map(|(slot, held)| format!("{}{}", slot + 1, show(held))).collect::<Vec<_>>().join(" ")
+        state.hands()[player]
+            .iter()
+            .enumerate()
+            .map(|(slot, held)| format!("{}{}", slot + 1, show(held)))
+            .collect::<Vec<_>>()
+            .join(" ")
     };
     let _ = writeln!(out, "You: {}", hand(seat, &|h| knowledge(&h.knowledge, colors, ranks)));
     let unknown = CardKnowledge::new(colors, ranks);

@@ -47,7 +47,13 @@ impl HanabiEnv {
     /// A Hanabi environment with these rules, reset with seed 0.
     pub fn new(config: HanabiConfig) -> Self {
         let state = Self::deal(&config, 0);
-        Self { returns: vec![0.0; config.players], state, config, life_loss_penalty: 0.0, style: ObservationStyle::Verbose }
+        Self {
+            returns: vec![0.0; config.players],
+            state,
+            config,
+            life_loss_penalty: 0.0,
+            style: ObservationStyle::Verbose,
+        }
     }
 
     /// Builds the environment from registry parameters (`{players: 3, variant: small, ...}`).
@@ -214,9 +220,8 @@ impl Environment for HanabiEnv {
             return Some(Vec::new());
         }
         let mut out = Vec::new();
-        self.state.for_each_legal_move(|mv| {
-            out.push(LegalAction { id: mv.uid(&self.config), text: self.move_text(mv) })
-        });
+        self.state
+            .for_each_legal_move(|mv| out.push(LegalAction { id: mv.uid(&self.config), text: self.move_text(mv) }));
         Some(out)
     }
 

@@ -197,8 +197,13 @@ mod tests {
 
     #[test]
     fn hle_variant_names_are_accepted() {
-        for (name, variant) in [("Hanabi-Full", Variant::Full), ("Hanabi-Small", Variant::Small), ("Hanabi-Very-Small", Variant::VerySmall)] {
-            let params: HanabiParams = serde_json::from_value(serde_json::json!({"variant": name})).expect("known name");
+        for (name, variant) in [
+            ("Hanabi-Full", Variant::Full),
+            ("Hanabi-Small", Variant::Small),
+            ("Hanabi-Very-Small", Variant::VerySmall),
+        ] {
+            let params: HanabiParams =
+                serde_json::from_value(serde_json::json!({"variant": name})).expect("known name");
             assert_eq!(params.variant, variant);
         }
     }

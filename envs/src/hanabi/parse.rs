@@ -256,7 +256,10 @@ mod tests {
         assert_eq!(parse("tell player 1 about their 3s"), Ok(Move::RevealRank { offset: 1, rank: 2 }));
         assert_eq!(parse("give player 2 a hint about fives"), Ok(Move::RevealRank { offset: 2, rank: 4 }));
         assert_eq!(parse("hint player 1 color w"), Ok(Move::RevealColor { offset: 1, color: 3 }));
-        assert_eq!(parse_move("(Reveal player +2 color R)", 1, 3, 5, 5, 5), Ok(Move::RevealColor { offset: 2, color: 0 }));
+        assert_eq!(
+            parse_move("(Reveal player +2 color R)", 1, 3, 5, 5, 5),
+            Ok(Move::RevealColor { offset: 2, color: 0 })
+        );
         assert_eq!(parse_move("hint player +1 rank 2", 2, 3, 5, 5, 5), Ok(Move::RevealRank { offset: 1, rank: 1 }));
         assert!(parse("hint player +3 red").unwrap_err().to_string().contains("offsets run from +1 to +2"));
         assert_eq!(parse("play my newest card"), Ok(Move::Play { index: 4 }));

@@ -42,11 +42,8 @@ fn searchable(path: &Path, uid: u32, gid: u32) -> bool {
 /// (the evaluation directories' parent) must never be covered.
 pub fn plan(needed: &[PathBuf], uid: u32, gid: u32, keep_visible: &Path) -> Vec<Exposure> {
     let mut exposures: Vec<Exposure> = Vec::new();
-    let mut dirs: Vec<PathBuf> = needed
-        .iter()
-        .filter_map(|path| std::fs::canonicalize(path).ok())
-        .filter(|path| path.is_dir())
-        .collect();
+    let mut dirs: Vec<PathBuf> =
+        needed.iter().filter_map(|path| std::fs::canonicalize(path).ok()).filter(|path| path.is_dir()).collect();
     dirs.sort();
     dirs.dedup();
     // Only the outermost of nested directories.
@@ -54,7 +51,8 @@ pub fn plan(needed: &[PathBuf], uid: u32, gid: u32, keep_visible: &Path) -> Vec<
         dirs.iter().filter(|dir| !dirs.iter().any(|other| other != *dir && dir.starts_with(other))).cloned().collect();
     let keep_visible = std::fs::canonicalize(keep_visible).unwrap_or_else(|_| keep_visible.to_path_buf());
     for dir in outermost {
-        let blocked = dir.ancestors().collect::<Vec<_>>().into_iter().rev().find(|ancestor| !searchable(ancestor, uid, gid));
+        let blocked =
+            dir.ancestors().collect::<Vec<_>>().into_iter().rev().find(|ancestor| !searchable(ancestor, uid, gid));
         let Some(hidden) = blocked.map(Path::to_path_buf) else { continue };
         if hidden == dir || hidden == Path::new("/") || keep_visible.starts_with(&hidden) {
             continue;

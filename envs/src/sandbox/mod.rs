@@ -594,7 +594,8 @@ impl Sandbox {
         let (channel_read, channel_write) = pipe().map_err(io_err("create the results pipe"))?;
         let started = Instant::now();
         let process = self.spawn(job, vec![(channel_write, 3)])?;
-        let member = Member::new(process.pid(), process.output_read, Some(channel_read), process.dir.path().to_path_buf());
+        let member =
+            Member::new(process.pid(), process.output_read, Some(channel_read), process.dir.path().to_path_buf());
         let config = &self.inner.config;
         let watch = Watch::new(vec![member], config.output_limit_bytes, config.disk_mb.saturating_mul(MIB));
         let outcome = watch.run(started + Duration::from_millis(timeout_ms));
@@ -631,7 +632,12 @@ impl Sandbox {
         let mut members = Vec::new();
         let mut children = Vec::new();
         for process in processes {
-            members.push(Member::new(process.pid(), process.output_read, channel.take(), process.dir.path().to_path_buf()));
+            members.push(Member::new(
+                process.pid(),
+                process.output_read,
+                channel.take(),
+                process.dir.path().to_path_buf(),
+            ));
             children.push((process.child, process.dir, process.feeder));
         }
         let watch = Watch::new(members, config.output_limit_bytes, config.disk_mb.saturating_mul(MIB));

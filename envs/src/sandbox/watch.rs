@@ -183,7 +183,12 @@ impl Watch {
                 let member = &mut self.members[index];
                 let captured = &mut outcome.captured[index];
                 if kind == 0 {
-                    if !drain(&mut member.output_fd, &mut captured.output, self.output_limit, &mut captured.output_bytes) {
+                    if !drain(
+                        &mut member.output_fd,
+                        &mut captured.output,
+                        self.output_limit,
+                        &mut captured.output_bytes,
+                    ) {
                         member.output_fd = None;
                     }
                 } else {

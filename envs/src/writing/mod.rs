@@ -69,12 +69,20 @@ impl WritingParams {
     /// The defaults of `task`.
     pub fn defaults(task: WritingTask) -> Self {
         match task {
-            WritingTask::Arxiv => {
-                Self { dataset: None, field: "abstract".to_string(), num_turns: 1, reward: WritingReward::arxiv(), split: Default::default() }
-            }
-            WritingTask::Tldr => {
-                Self { dataset: None, field: "post".to_string(), num_turns: 1, reward: WritingReward::tldr(), split: Default::default() }
-            }
+            WritingTask::Arxiv => Self {
+                dataset: None,
+                field: "abstract".to_string(),
+                num_turns: 1,
+                reward: WritingReward::arxiv(),
+                split: Default::default(),
+            },
+            WritingTask::Tldr => Self {
+                dataset: None,
+                field: "post".to_string(),
+                num_turns: 1,
+                reward: WritingReward::tldr(),
+                split: Default::default(),
+            },
         }
     }
 

@@ -57,10 +57,10 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig> {
         None if hidden_size % num_attention_heads == 0 => hidden_size / num_attention_heads,
         None => {
             return Err(file.error(format!(
-                "metadata `{}` is missing and `{}` {hidden_size} is not a multiple of the head count {num_attention_heads}",
-                key("attention.key_length"),
-                key("embedding_length")
-            )))
+            "metadata `{}` is missing and `{}` {hidden_size} is not a multiple of the head count {num_attention_heads}",
+            key("attention.key_length"),
+            key("embedding_length")
+        )))
         }
     };
     if head_dim == 0 || head_dim % 2 != 0 {
@@ -97,10 +97,9 @@ pub fn read_config(file: &GgufFile) -> Result<ModelConfig> {
     let rms_norm_eps = file.float(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6);
     let vocab_size = match file.uint(&key("vocab_size"))? {
         Some(v) => v as usize,
-        None => file
-            .strings("tokenizer.ggml.tokens")?
-            .map(|t| t.len())
-            .ok_or_else(|| file.error(format!("metadata `{}` and `tokenizer.ggml.tokens` are both missing", key("vocab_size"))))?,
+        None => file.strings("tokenizer.ggml.tokens")?.map(|t| t.len()).ok_or_else(|| {
+            file.error(format!("metadata `{}` and `tokenizer.ggml.tokens` are both missing", key("vocab_size")))
+        })?,
     };
     let has = |name: &str| file.tensor(name).is_some();
     let attention_bias = has("blk.0.attn_q.bias");

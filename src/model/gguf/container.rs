@@ -63,7 +63,9 @@ impl std::fmt::Debug for GgufFile {
 /// Turns the crate's error into one sentence naming the file.
 fn container_error(path: &Path, err: GGUFError) -> TroupeError {
     let message = match &err {
-        GGUFError::UnexpectedEof => "not a complete GGUF file (truncated or corrupt): unexpected end of file".to_string(),
+        GGUFError::UnexpectedEof => {
+            "not a complete GGUF file (truncated or corrupt): unexpected end of file".to_string()
+        }
         GGUFError::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
             "not a complete GGUF file (truncated or corrupt): unexpected end of file".to_string()
         }
@@ -119,7 +121,9 @@ impl GgufFile {
 
     /// The stored bytes of tensor `name` (blocks as they are in the file).
     pub fn tensor_bytes(&self, name: &str) -> Result<Vec<u8>> {
-        let entry = self.tensor(name).ok_or_else(|| TroupeError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
+        let entry = self
+            .tensor(name)
+            .ok_or_else(|| TroupeError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
         let mut reader = self.reader.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let data = reader
             .load_tensor_data(name)

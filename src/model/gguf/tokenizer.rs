@@ -19,7 +19,8 @@ use crate::error::{Result, TroupeError};
 use crate::model::TextTokenizer;
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -27,8 +28,8 @@ const GPT4O_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\
 /// The split regex of a `tokenizer.ggml.pre` name, `None` for GPT-2's own.
 fn split_regex(pre: &str) -> Option<&'static str> {
     Some(match pre {
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2" | "jina-v5-nano"
-        | "dbrx" | "smaug-bpe" => LLAMA3_SPLIT,
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0" | "lfm2"
+        | "jina-v5-nano" | "dbrx" | "smaug-bpe" => LLAMA3_SPLIT,
         "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" => QWEN2_SPLIT,
         "qwen35" => QWEN35_SPLIT,
         "tekken" => TEKKEN_SPLIT,
@@ -78,7 +79,9 @@ const USER_DEFINED: i64 = 4;
 
 /// Builds the tokenizer of `file`, with its EOS ids, chat template and BOS/EOS strings.
 pub fn read_tokenizer(file: &GgufFile, eos_token_ids: &[u32]) -> Result<TextTokenizer> {
-    let model = file.string("tokenizer.ggml.model")?.ok_or_else(|| file.error("metadata `tokenizer.ggml.model` is missing (the file has no tokenizer)"))?;
+    let model = file
+        .string("tokenizer.ggml.model")?
+        .ok_or_else(|| file.error("metadata `tokenizer.ggml.model` is missing (the file has no tokenizer)"))?;
     if model != "gpt2" {
         return Err(TroupeError::Tokenizer {
             path: file.path().to_path_buf(),
@@ -87,8 +90,12 @@ pub fn read_tokenizer(file: &GgufFile, eos_token_ids: &[u32]) -> Result<TextToke
             ),
         });
     }
-    let tokens = file.strings("tokenizer.ggml.tokens")?.ok_or_else(|| file.error("metadata `tokenizer.ggml.tokens` is missing"))?;
-    let merges = file.strings("tokenizer.ggml.merges")?.ok_or_else(|| file.error("metadata `tokenizer.ggml.merges` is missing"))?;
+    let tokens = file
+        .strings("tokenizer.ggml.tokens")?
+        .ok_or_else(|| file.error("metadata `tokenizer.ggml.tokens` is missing"))?;
+    let merges = file
+        .strings("tokenizer.ggml.merges")?
+        .ok_or_else(|| file.error("metadata `tokenizer.ggml.merges` is missing"))?;
     let types = file.ints("tokenizer.ggml.token_type")?.unwrap_or_default();
     if !types.is_empty() && types.len() != tokens.len() {
         return Err(file.error(format!(
@@ -102,11 +109,8 @@ pub fn read_tokenizer(file: &GgufFile, eos_token_ids: &[u32]) -> Result<TextToke
     let in_alphabet = |token: &str| token.chars().all(|c| alphabet.contains(&c));
     let mut vocab = serde_json::Map::with_capacity(tokens.len());
     for (id, token) in tokens.iter().enumerate() {
-        let spelled = if in_alphabet(token) {
-            token.to_string()
-        } else {
-            token.bytes().map(|b| spelling[b as usize]).collect()
-        };
+        let spelled =
+            if in_alphabet(token) { token.to_string() } else { token.bytes().map(|b| spelling[b as usize]).collect() };
         vocab.insert(spelled, json!(id));
     }
     let mut added = Vec::new();
@@ -149,7 +153,9 @@ pub fn read_tokenizer(file: &GgufFile, eos_token_ids: &[u32]) -> Result<TextToke
             Some(id) => Some(
                 tokens
                     .get(id as usize)
-                    .ok_or_else(|| file.error(format!("metadata `{key}` {id} is outside the vocabulary of {}", tokens.len())))?
+                    .ok_or_else(|| {
+                        file.error(format!("metadata `{key}` {id} is outside the vocabulary of {}", tokens.len()))
+                    })?
                     .to_string(),
             ),
             None => None,
@@ -164,7 +170,8 @@ pub fn read_tokenizer(file: &GgufFile, eos_token_ids: &[u32]) -> Result<TextToke
         }
     }
     let template = file.string("tokenizer.chat_template")?.map(str::to_string);
-    Ok(TextTokenizer::from_parts(inner, file.path().to_path_buf(), eos_token_ids.to_vec()).with_chat_template(template, bos, eos))
+    Ok(TextTokenizer::from_parts(inner, file.path().to_path_buf(), eos_token_ids.to_vec())
+        .with_chat_template(template, bos, eos))
 }
 
 /// The special ids a GGUF file names (for `troupe model inspect`).
