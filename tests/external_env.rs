@@ -422,3 +422,34 @@ fn a_training_run_calls_its_external_reward_with_every_episode() {
         assert!(call[2].get("score").is_some());
     }
 }
+
+#[test]
+fn an_environment_that_refuses_its_own_legal_action_stops_the_rollout_with_a_named_error() {
+    let device = Device::flex();
+    let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
+    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+    manager.create_adapters(1, &AdapterConfig::default()).unwrap();
+    let script = format!(
+        "{HELLO}; read l; echo '{{\"id\":1,\"result\":{{\"states\":[{STATE}]}}}}'; read l; \
+         echo '{{\"id\":2,\"result\":{{\"results\":[{{\"error\":\"the table is closed\"}}]}}}}'; sleep 5"
+    );
+    let mut envs = vec![scripted(&script).unwrap()];
+    let config = RolloutConfig {
+        mode: ActionMode::Choice,
+        invalid_penalty: 0.0,
+        fallback: Fallback::Random,
+        max_retries: 0,
+        max_new_tokens: 4,
+        sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
+        chat_template: false,
+        max_episode_steps: 4,
+        choice_score: ChoiceScore::Mean,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    let err = run_episodes(&model, &manager, &mut envs, &[42], &[0], &config, &mut rng).unwrap_err().to_string();
+    assert!(
+        err.contains("toy refused the joint action [action 0] at step 0 of the episode with seed 42")
+            && err.contains("the table is closed"),
+        "{err}"
+    );
+}

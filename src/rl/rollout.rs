@@ -317,10 +317,21 @@ pub fn run_episodes_with_baselines(
                 Some(Err(ActionError::Failed(message))) => {
                     return Err(TroupeError::invalid("env", format!("{}: {message}", envs[episode].name())));
                 }
+                // Every action sent was legal or read by the environment itself: a refusal is a
+                // defect of the environment, never a quiet end of the episode.
                 Some(Err(err)) => {
-                    tracing::warn!(env = envs[episode].name(), episode, error = %err, "the environment refused a step; the episode ends");
-                    ended[episode] = true;
-                    vec![0.0; record.env_returns.len()]
+                    let sent =
+                        actions.as_deref().unwrap_or_default().iter().map(ToString::to_string).collect::<Vec<_>>();
+                    return Err(TroupeError::invalid(
+                        "env",
+                        format!(
+                            "{} refused the joint action [{}] at step {} of the episode with seed {}: {err}",
+                            envs[episode].name(),
+                            sent.join(", "),
+                            record.steps,
+                            record.seed
+                        ),
+                    ));
                 }
                 None => {
                     ended[episode] = true;
