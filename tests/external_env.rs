@@ -100,14 +100,9 @@ fn served_games_play_move_by_move_as_in_process() {
     }
 }
 
-#[test]
-fn rollouts_through_the_protocol_equal_rollouts_in_process() {
-    let device = Device::flex();
-    let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
-    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
-    manager.create_adapters(2, &AdapterConfig::default()).unwrap();
-    let registry = Registry::with_builtins();
-    let config = RolloutConfig {
+/// `choice`-mode rollout settings for the tiny model, episodes cut after `max_episode_steps`.
+fn choice_rollout(max_episode_steps: usize) -> RolloutConfig {
+    RolloutConfig {
         mode: ActionMode::Choice,
         invalid_penalty: 0.0,
         fallback: Fallback::Random,
@@ -115,9 +110,19 @@ fn rollouts_through_the_protocol_equal_rollouts_in_process() {
         max_new_tokens: 8,
         sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
         chat_template: false,
-        max_episode_steps: 12,
+        max_episode_steps,
         choice_score: ChoiceScore::Mean,
-    };
+    }
+}
+
+#[test]
+fn rollouts_through_the_protocol_equal_rollouts_in_process() {
+    let device = Device::flex();
+    let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
+    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+    manager.create_adapters(2, &AdapterConfig::default()).unwrap();
+    let registry = Registry::with_builtins();
+    let config = choice_rollout(12);
     let params = json!({"players": 2, "observation": "compact", "history_moves": 1});
     let seeds = [11, 11, 12, 12];
     let play = |envs: &mut Vec<Box<dyn Environment>>| {
@@ -434,17 +439,7 @@ fn an_environment_that_refuses_its_own_legal_action_stops_the_rollout_with_a_nam
          echo '{{\"id\":2,\"result\":{{\"results\":[{{\"error\":\"the table is closed\"}}]}}}}'; sleep 5"
     );
     let mut envs = vec![scripted(&script).unwrap()];
-    let config = RolloutConfig {
-        mode: ActionMode::Choice,
-        invalid_penalty: 0.0,
-        fallback: Fallback::Random,
-        max_retries: 0,
-        max_new_tokens: 4,
-        sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
-        chat_template: false,
-        max_episode_steps: 4,
-        choice_score: ChoiceScore::Mean,
-    };
+    let config = choice_rollout(4);
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let err = run_episodes(&model, &manager, &mut envs, &[42], &[0], &config, &mut rng).unwrap_err().to_string();
     assert!(
