@@ -266,13 +266,17 @@ impl MagrpoTrainer {
             return Ok(episodes.iter().map(|e| vec![Vec::new(); e.env_returns.len()]).collect());
         }
         let decode = |ids: &[u32]| self.model.tokenizer.decode(ids, true);
+        // Only external functions are sent the prompts; registered ones read completions alone.
+        let with_prompts = !self.external_rewards.is_empty();
         let mut items = Vec::with_capacity(episodes.len());
         for episode in episodes {
             let seats = episode.env_returns.len();
             let (mut completions, mut prompts) = (vec![Vec::new(); seats], vec![Vec::new(); seats]);
             for turn in episode.turns.iter().filter(|t| t.seat < seats) {
                 completions[turn.seat].push(decode(&turn.completion_ids)?);
-                prompts[turn.seat].push(decode(&turn.prompt_ids)?);
+                if with_prompts {
+                    prompts[turn.seat].push(decode(&turn.prompt_ids)?);
+                }
             }
             items.push(RewardItem {
                 seed: episode.seed,
@@ -640,14 +644,14 @@ impl MagrpoTrainer {
         let rollout_seconds = started.elapsed().as_secs_f64();
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
         let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
-        let external = self.computed_reward_values(&episodes)?;
-        let mut external = external.iter();
+        let computed = self.computed_reward_values(&episodes)?;
+        let mut computed = computed.iter();
         let shaped: Vec<Vec<Vec<Vec<f64>>>> = groups
             .iter()
             .map(|g| {
                 g.iter()
                     .map(|e| {
-                        shaped_step_rewards(e, &self.settings.rewards, external.next().map_or(&[][..], Vec::as_slice))
+                        shaped_step_rewards(e, &self.settings.rewards, computed.next().map_or(&[][..], Vec::as_slice))
                     })
                     .collect::<Result<Vec<_>>>()
             })

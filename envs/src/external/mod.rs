@@ -338,14 +338,8 @@ impl Environment for ExternalEnv {
     }
 
     fn reset(&mut self, seed: u64) {
-        match self.backend.reset(&[(self.episode, seed)]) {
-            Ok(mut states) => {
-                let mut view = self.view.borrow_mut();
-                view.state = states.remove(0);
-                view.failure = None;
-            }
-            Err(err) => self.fail(&err),
-        }
+        // A failure is kept in the view (see `failure`), as the trait's reset cannot return it.
+        let _ = reset_external(&[(&*self, seed)]);
     }
 
     fn acting_seats(&self) -> Vec<SeatId> {
