@@ -110,6 +110,12 @@ pub enum TroupeError {
         /// The agent ids that have one.
         known: String,
     },
+    /// A gradient or optimizer state names an adapter the manager does not hold.
+    #[error("no adapter is named {name:?}")]
+    UnknownAdapter {
+        /// The adapter name asked for.
+        name: String,
+    },
     /// An argument of a call is out of range (an empty batch, a token id beyond the vocab, ...).
     #[error("invalid argument `{name}`: {message}")]
     InvalidArgument {

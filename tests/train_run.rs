@@ -121,7 +121,8 @@ fn a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_usable() {
     let staging = killed.join(CHECKPOINTS_DIR).join(".iteration-000003.staging-4242");
     std::fs::create_dir_all(&staging).unwrap();
     let t = &run.trainer;
-    write_checkpoint_files(&staging, 3, &t.manager, &t.optimizer_states, &t.rng).unwrap();
+    let state = t.state();
+    write_checkpoint_files(&staging, 3, &t.manager, &state.optimizer_states, &state.rng).unwrap();
     let optimizer = staging.join("optimizer.safetensors");
     let bytes = std::fs::read(&optimizer).unwrap();
     std::fs::write(&optimizer, &bytes[..bytes.len() / 2]).unwrap();

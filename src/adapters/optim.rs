@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use super::lora::{LoraAdapter, LoraPair, Site};
 
-/// AdamW hyper-parameters (PyTorch's defaults, but for the learning rate).
+/// AdamW hyper-parameters: PyTorch's betas and epsilon; no weight decay, as TRL's and
+/// transformers' trainers default (troupe's config takes its defaults from here).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdamWConfig {
@@ -28,7 +29,7 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        Self { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01 }
+        Self { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
     }
 }
 

@@ -32,12 +32,25 @@ pub struct TrainArgs {
     /// No progress bar (log lines only).
     #[arg(long)]
     pub quiet: bool,
+    /// Print the resolved config (the file and every `--set`, with every default written out)
+    /// as YAML on stdout, and train nothing.
+    #[arg(long)]
+    pub print_config: bool,
 }
 
 /// Runs (or resumes) the training run with the environments and policies of `registry`; prints
 /// `{"run_dir", "iterations", "last", "checkpoint"}`.
 pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Registry) -> anyhow::Result<()> {
     let registry = registry.clone();
+    if args.print_config {
+        let config = match (&args.resume, &args.config) {
+            (Some(run_dir), _) => TrainConfig::from_run_dir(run_dir, &registry)?,
+            (None, Some(path)) => TrainConfig::from_yaml_file(path, &args.set, &registry)?,
+            (None, None) => anyhow::bail!("give --config FILE, or --resume RUN_DIR"),
+        };
+        print!("{}", config.to_yaml()?);
+        return Ok(());
+    }
     let mut run = match (&args.resume, &args.config) {
         (Some(run_dir), _) => {
             let device = match device {

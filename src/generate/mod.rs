@@ -39,10 +39,16 @@ impl Default for GenerateOptions {
 }
 
 /// What one row generated.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Generation {
     /// The new tokens (ending with the EOS token when `finished_by_eos`).
     pub output_ids: Vec<u32>,
+    /// `log p(token)` of each new token under the model's full next-token distribution
+    /// (log-softmax of the raw logits: temperature 1, no top-k/top-p, no constraint), recorded
+    /// as it was sampled: the quantity the trainer scores, so an importance ratio between the
+    /// policy that sampled and the policy being trained is `exp(new - logprobs)`.
+    #[serde(default)]
+    pub logprobs: Vec<f32>,
     /// Whether an EOS token ended the row (else `max_new_tokens` did, or for a constrained row
     /// the completion of a sequence that does not end with EOS).
     pub finished_by_eos: bool,
@@ -74,6 +80,13 @@ fn to_rows(logits: Tensor<2>) -> Vec<Vec<f32>> {
     let [_, vocab] = logits.dims();
     let values = logits.into_data().try_into_vec::<f32>().expect("logits are f32");
     values.chunks(vocab).map(<[f32]>::to_vec).collect()
+}
+
+/// `log softmax(logits)[token]`, computed in f64 and rounded once.
+fn token_logprob(logits: &[f32], token: u32) -> f32 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let sum: f64 = logits.iter().map(|&v| f64::from(v - max).exp()).sum();
+    (f64::from(logits[token as usize] - max) - sum.ln()) as f32
 }
 
 /// Generates a continuation of every prompt in one batch. Rows may have different lengths;
@@ -129,7 +142,7 @@ pub fn generate_constrained(
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
     let (padded, valid) = left_pad(prompts, 0);
     let mut outputs: Vec<Generation> =
-        vec![Generation { output_ids: Vec::new(), finished_by_eos: false, sequence: None }; batch];
+        vec![Generation { output_ids: Vec::new(), logprobs: Vec::new(), finished_by_eos: false, sequence: None }; batch];
     let mut done: Vec<bool> = (0..batch).map(|row| constraint(row).is_none() && options.max_new_tokens == 0).collect();
     // Each constrained row's place in its trie.
     let mut nodes = vec![TokenTrie::ROOT; batch];
@@ -166,6 +179,7 @@ pub fn generate_constrained(
                 let token = trie.pick(nodes[row], logits, &options.sampling, &mut rng);
                 let out = &mut outputs[row];
                 out.output_ids.push(token);
+                out.logprobs.push(token_logprob(logits, token));
                 match trie.advance(nodes[row], token).expect("`pick` returns an allowed token") {
                     TrieStep::Continue(node) => nodes[row] = node,
                     TrieStep::Complete { sequence } => {
@@ -179,6 +193,7 @@ pub fn generate_constrained(
                 let token = sampler::sample(logits, &options.sampling, &mut rng);
                 let out = &mut outputs[row];
                 out.output_ids.push(token);
+                out.logprobs.push(token_logprob(logits, token));
                 if options.stop_at_eos && eos_token_ids.contains(&token) {
                     out.finished_by_eos = true;
                     done[row] = true;

@@ -29,6 +29,9 @@ use serde_yaml::{Mapping, Value as Yaml};
 use troupe_envs::{EnvError, Environment, Registry};
 
 use super::advantage::{AdvantageBaseline, RewardScaling};
+use super::batch::{AdvantageGrouping, AdvantageSettings};
+use super::objective::{KlEstimator, KlPenalty, ObjectiveConfig};
+use super::overrides::{apply_override, Schema};
 use super::rewards::{RewardFunction, RewardPipeline, RewardProcessor, WeightedReward};
 use super::rollout::RolloutConfig;
 pub use super::rollout::{ActionMode, Fallback};
@@ -61,6 +64,25 @@ pub struct TrainConfig {
     pub rewards: RewardsSection,
     /// Evaluation on held-out seeds.
     pub eval: EvalSection,
+    /// Speed and memory settings that change no result's maths.
+    pub runtime: RuntimeSection,
+}
+
+/// `runtime:` — how the work is cut into batches: memory and speed, not the experiment's maths
+/// (a GPU wants far larger batches than 2 CPU cores).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RuntimeSection {
+    /// Rows (replies, or `choice` decisions) per forward/backward micro-batch of the update.
+    pub micro_batch_rows: usize,
+    /// Evaluation episodes played together in one batch of rollouts.
+    pub eval_batch_episodes: usize,
+}
+
+impl Default for RuntimeSection {
+    fn default() -> Self {
+        Self { micro_batch_rows: 16, eval_batch_episodes: 64 }
+    }
 }
 
 /// `run:` — the run directory, seed, length and cadence.
@@ -275,8 +297,16 @@ pub struct TrainingSection {
     pub advantage: AdvantageBaseline,
     /// Which standard deviation divides the advantages: `group`, `batch` or `none`.
     pub scale_rewards: RewardScaling,
+    /// Which returns a turn is compared with: `agent_turn` (the same agent's turns at the same
+    /// index in the group, AT-GRPO) or `agent` (all the agent's turns in the group).
+    pub group_by: AdvantageGrouping,
+    /// The objective: `{kind: magrpo | clipped, epochs_per_iteration, clip_low, clip_high,
+    /// ratio: token | sequence, loss_normalization: agent_token_mean | sequence_mean | constant}`.
+    pub objective: ObjectiveConfig,
     /// Weight of the KL penalty to the base model (0: off).
     pub kl_coef: f64,
+    /// The per-token KL estimator: `k3` (never negative) or `k1` (`log p - log p_ref`).
+    pub kl_estimator: KlEstimator,
     /// Discount of later rewards when crediting a turn with its return.
     pub gamma: f64,
     /// An episode is cut after this many steps.
@@ -288,9 +318,6 @@ pub struct TrainingSection {
     pub format_warmup_batch: usize,
     /// Learning rate of the format warm-up.
     pub format_warmup_lr: f64,
-    /// Rows (replies, or `choice` decisions) per forward/backward micro-batch of the update: a
-    /// memory and speed setting, not part of the experiment's maths.
-    pub micro_batch_rows: usize,
 }
 
 impl TrainingSection {
@@ -308,6 +335,8 @@ impl TrainingSection {
 
 impl Default for TrainingSection {
     fn default() -> Self {
+        let adamw = AdamWConfig::default();
+        let warmup = crate::rl::trainer::FormatWarmup::default();
         Self {
             group_size: 4,
             groups_per_iteration: 2,
@@ -315,18 +344,20 @@ impl Default for TrainingSection {
             warmup_iterations: 0,
             lr_final_fraction: 1.0,
             max_grad_norm: 1.0,
-            weight_decay: 0.0,
-            beta1: 0.9,
-            beta2: 0.999,
-            advantage: AdvantageBaseline::Mean,
-            scale_rewards: RewardScaling::Group,
+            weight_decay: adamw.weight_decay,
+            beta1: adamw.beta1,
+            beta2: adamw.beta2,
+            advantage: AdvantageBaseline::default(),
+            scale_rewards: RewardScaling::default(),
+            group_by: AdvantageGrouping::default(),
+            objective: ObjectiveConfig::default(),
             kl_coef: 0.0,
+            kl_estimator: KlEstimator::default(),
             gamma: 1.0,
             max_episode_steps: 50,
-            format_warmup_steps: 0,
-            format_warmup_batch: 16,
-            format_warmup_lr: 1.0e-3,
-            micro_batch_rows: 16,
+            format_warmup_steps: warmup.steps,
+            format_warmup_batch: warmup.batch_size,
+            format_warmup_lr: warmup.lr,
         }
     }
 }
@@ -370,8 +401,6 @@ pub struct EvalSection {
     pub every: usize,
     /// Episodes of each evaluation during training.
     pub every_episodes: usize,
-    /// Episodes played together in one batch of rollouts.
-    pub batch_episodes: usize,
     /// Environment parameters that differ in evaluation, merged over `env:` (e.g. `{split:
     /// test}`: the held-out prompts of a text task).
     pub env: serde_json::Map<String, serde_json::Value>,
@@ -386,7 +415,6 @@ impl Default for EvalSection {
             max_episode_steps: None,
             every: 0,
             every_episodes: 32,
-            batch_episodes: 64,
             env: Default::default(),
         }
     }
@@ -396,7 +424,45 @@ impl Default for EvalSection {
 pub const CONFIG_FILE: &str = "config.yaml";
 
 /// Sections whose keys are free-form (not checked against the schema when overriding).
-const FREE_FORM: [&[&str]; 3] = [&["env"], &["eval", "baseline_seats"], &["eval", "env"]];
+const FREE_FORM: &[&[&str]] = &[&["env"], &["eval", "baseline_seats"], &["eval", "env"]];
+
+/// Keys that moved, as `(old path, new path)`: a config that still uses an old one is read as
+/// if it used the new one, with a warning (so older configs and run directories still load).
+const MOVED_KEYS: [(&[&str], &[&str]); 2] = [
+    (&["training", "micro_batch_rows"], &["runtime", "micro_batch_rows"]),
+    (&["eval", "batch_episodes"], &["runtime", "eval_batch_episodes"]),
+];
+
+/// The schema `--set` overrides are checked against: the default config's tree.
+fn schema() -> Schema {
+    Schema {
+        defaults: serde_yaml::to_value(TrainConfig::default()).expect("the default config serializes"),
+        free_form: FREE_FORM,
+    }
+}
+
+/// Moves every [`MOVED_KEYS`] entry of `tree` to its new place (the new key wins when both
+/// are given), warning once per key.
+fn migrate_moved_keys(tree: &mut Yaml, origin: &Path) {
+    for (old, new) in MOVED_KEYS {
+        let Some(Yaml::Mapping(section)) = tree.get_mut(old[0]) else { continue };
+        let Some(value) = section.remove(old[1]) else { continue };
+        tracing::warn!(
+            "{}: `{}` is now `{}`; read as such",
+            origin.display(),
+            old.join("."),
+            new.join(".")
+        );
+        let Yaml::Mapping(root) = tree else { continue };
+        let target = root.entry(Yaml::String(new[0].to_string())).or_insert_with(|| Yaml::Mapping(Mapping::new()));
+        if target.is_null() {
+            *target = Yaml::Mapping(Mapping::new());
+        }
+        if let Yaml::Mapping(target) = target {
+            target.entry(Yaml::String(new[1].to_string())).or_insert(value);
+        }
+    }
+}
 
 impl TrainConfig {
     /// Reads `path`, applies the `--set key.path=value` overrides, parses strictly and validates
@@ -426,8 +492,10 @@ impl TrainConfig {
                 "the config must be a mapping of sections (run, model, env, ...)".into(),
             ));
         }
+        migrate_moved_keys(&mut tree, origin);
+        let schema = schema();
         for raw in overrides {
-            apply_override(&mut tree, raw).map_err(|(key, message)| config_error(key, message))?;
+            apply_override(&mut tree, raw, &schema).map_err(|(key, message)| config_error(key, message))?;
         }
         let config: TrainConfig = serde_path_to_error::deserialize(tree).map_err(|err| {
             let key = err.path().to_string();
@@ -615,11 +683,14 @@ impl TrainConfig {
         if self.eval.every > 0 && self.eval.every_episodes == 0 {
             return fail("eval.every_episodes", "must be at least 1 when eval.every > 0".into());
         }
-        if self.eval.batch_episodes == 0 {
-            return fail("eval.batch_episodes", "must be at least 1".into());
+        if self.runtime.eval_batch_episodes == 0 {
+            return fail("runtime.eval_batch_episodes", "must be at least 1".into());
         }
-        if t.micro_batch_rows == 0 {
-            return fail("training.micro_batch_rows", "must be at least 1".into());
+        if self.runtime.micro_batch_rows == 0 {
+            return fail("runtime.micro_batch_rows", "must be at least 1".into());
+        }
+        if let Err((field, message)) = t.objective.check() {
+            return fail(&format!("training.objective.{field}"), message);
         }
         if self.action.mode == ActionMode::Choice && (self.action.top_k != 0 || self.action.top_p < 1.0) {
             let key = if self.action.top_k != 0 { "action.top_k" } else { "action.top_p" };
@@ -704,17 +775,17 @@ impl TrainConfig {
             lr_final_fraction: t.lr_final_fraction,
             total_iterations: self.run.iterations as u64,
             max_grad_norm: t.max_grad_norm,
-            advantage: t.advantage,
-            scale_rewards: t.scale_rewards,
+            advantage: AdvantageSettings { baseline: t.advantage, scaling: t.scale_rewards, grouping: t.group_by },
             gamma: t.gamma,
-            kl_coef: t.kl_coef,
+            objective: t.objective.clone(),
+            kl: KlPenalty { coef: t.kl_coef, estimator: t.kl_estimator },
             rewards: self.reward_pipeline()?,
             format_warmup: crate::rl::trainer::FormatWarmup {
                 steps: t.format_warmup_steps,
                 batch_size: t.format_warmup_batch,
                 lr: t.format_warmup_lr,
             },
-            micro_batch_rows: t.micro_batch_rows,
+            micro_batch_rows: self.runtime.micro_batch_rows,
             seed: self.run.seed,
         })
     }
@@ -774,201 +845,6 @@ impl TrainConfig {
         }
         Ok(env)
     }
-}
-
-/// One segment of an override key: a mapping key, or a list index (`seats[2]` or `seats.2`).
-#[derive(Debug, PartialEq)]
-enum Segment {
-    Key(String),
-    Index(usize),
-}
-
-/// Splits `a.b[2].c` into segments; `None` when malformed (empty segment, bad index).
-fn parse_key(key: &str) -> Option<Vec<Segment>> {
-    let mut segments = Vec::new();
-    for part in key.split('.') {
-        let (name, mut rest) = match part.find('[') {
-            Some(i) => (&part[..i], &part[i..]),
-            None => (part, ""),
-        };
-        if name.is_empty() && (segments.is_empty() || rest.is_empty()) {
-            return None;
-        }
-        if !name.is_empty() {
-            segments.push(Segment::Key(name.to_string()));
-        }
-        while !rest.is_empty() {
-            let close = rest.find(']')?;
-            let index = rest[1..close].trim().parse().ok()?;
-            segments.push(Segment::Index(index));
-            rest = &rest[close + 1..];
-            if !rest.is_empty() && !rest.starts_with('[') {
-                return None;
-            }
-        }
-    }
-    Some(segments)
-}
-
-/// Applies one `key.path=value` override to `tree`. The key is checked against the schema
-/// (the defaults' tree) down to the first list or free-form section; below those, the typed
-/// parse that follows checks it. Errors are `(key, message)`.
-fn apply_override(tree: &mut Yaml, raw: &str) -> std::result::Result<(), (String, String)> {
-    let Some((key, value)) = raw.split_once('=') else {
-        return Err((raw.to_string(), format!("--set {raw:?} is not of the form key.path=value")));
-    };
-    let key = key.trim();
-    let segments = parse_key(key).ok_or_else(|| (key.to_string(), format!("--set {raw:?}: malformed key")))?;
-    let value: Yaml = serde_yaml::from_str(value)
-        .map_err(|e| (key.to_string(), format!("--set {raw:?}: the value is not YAML: {e}")))?;
-    check_against_schema(key, &segments)?;
-
-    let defaults = defaults_tree();
-    let mut node = tree;
-    for (depth, segment) in segments.iter().enumerate() {
-        let here = || describe(&segments[..depth]);
-        // Indexing a list the file leaves out (`agents.seats[1]=0`) starts from the default list.
-        let indexes = match segment {
-            Segment::Index(_) => true,
-            Segment::Key(name) => name.parse::<usize>().is_ok(),
-        };
-        if node.is_null() && indexes {
-            if let Some(list @ Yaml::Sequence(_)) = default_at(&defaults, &segments[..depth]) {
-                *node = list.clone();
-            }
-        }
-        node = match segment {
-            Segment::Key(name) => {
-                if node.is_null() {
-                    *node = Yaml::Mapping(Mapping::new());
-                }
-                match node {
-                    Yaml::Mapping(map) => {
-                        let existing = map.keys().find(|k| key_matches(k, name)).cloned();
-                        let slot = existing.unwrap_or_else(|| mapping_key(name));
-                        map.entry(slot).or_insert(Yaml::Null)
-                    }
-                    Yaml::Sequence(items) => {
-                        let index: usize = name
-                            .parse()
-                            .map_err(|_| (key.to_string(), format!("{} is a list; index it with a number", here())))?;
-                        sequence_slot(items, index, key, &here())?
-                    }
-                    _ => return Err((key.to_string(), format!("{} is a value, not a section", here()))),
-                }
-            }
-            Segment::Index(index) => match node {
-                Yaml::Sequence(items) => sequence_slot(items, *index, key, &here())?,
-                _ => {
-                    return Err((
-                        key.to_string(),
-                        format!("{} is not a list in the config; set the whole list instead", here()),
-                    ))
-                }
-            },
-        };
-    }
-    *node = value;
-    Ok(())
-}
-
-/// The default config as a YAML tree.
-fn defaults_tree() -> Yaml {
-    serde_yaml::to_value(TrainConfig::default()).expect("the default config serializes")
-}
-
-/// The node of the defaults' tree at `segments`, if there is one.
-fn default_at<'a>(defaults: &'a Yaml, segments: &[Segment]) -> Option<&'a Yaml> {
-    segments.iter().try_fold(defaults, |node, segment| match segment {
-        Segment::Key(name) => node.get(name.as_str()),
-        Segment::Index(index) => node.get(*index),
-    })
-}
-
-/// The element `index` of a list, or an error naming the list's length.
-fn sequence_slot<'a>(
-    items: &'a mut [Yaml],
-    index: usize,
-    key: &str,
-    here: &str,
-) -> std::result::Result<&'a mut Yaml, (String, String)> {
-    let len = items.len();
-    items.get_mut(index).ok_or_else(|| {
-        (
-            key.to_string(),
-            format!("index {index} is out of range: {here} has {len} entries; set the whole list instead"),
-        )
-    })
-}
-
-/// Whether a YAML mapping key is the override segment `name` (`1` matches both `1` and `"1"`).
-fn key_matches(key: &Yaml, name: &str) -> bool {
-    match key {
-        Yaml::String(s) => s == name,
-        Yaml::Number(n) => n.to_string() == name,
-        _ => false,
-    }
-}
-
-/// The mapping key for a new override segment: a number for digits (seat ids), else a string.
-fn mapping_key(name: &str) -> Yaml {
-    match name.parse::<u64>() {
-        Ok(n) => Yaml::Number(n.into()),
-        Err(_) => Yaml::String(name.to_string()),
-    }
-}
-
-/// `a.b[2]` for the first segments of a key.
-fn describe(segments: &[Segment]) -> String {
-    let mut out = String::new();
-    for segment in segments {
-        match segment {
-            Segment::Key(name) => {
-                if !out.is_empty() {
-                    out.push('.');
-                }
-                out.push_str(name);
-            }
-            Segment::Index(i) => out.push_str(&format!("[{i}]")),
-        }
-    }
-    if out.is_empty() {
-        "the config".to_string()
-    } else {
-        out
-    }
-}
-
-/// Refuses an override key the schema does not have, naming the keys that exist there.
-fn check_against_schema(key: &str, segments: &[Segment]) -> std::result::Result<(), (String, String)> {
-    let defaults = defaults_tree();
-    let mut node = &defaults;
-    let mut names: Vec<&str> = Vec::new();
-    for (depth, segment) in segments.iter().enumerate() {
-        if FREE_FORM.contains(&names.as_slice()) {
-            return Ok(());
-        }
-        let Segment::Key(name) = segment else { return Ok(()) };
-        match node {
-            Yaml::Mapping(map) => match map.get(name.as_str()) {
-                Some(child) => {
-                    node = child;
-                    names.push(name);
-                }
-                None => {
-                    let known: Vec<String> = map.keys().filter_map(|k| k.as_str().map(str::to_string)).collect();
-                    let section = describe(&segments[..depth]);
-                    let section = if depth == 0 { "sections".to_string() } else { format!("keys of {section}") };
-                    return Err((key.to_string(), format!("unknown key (known {section}: {})", known.join(", "))));
-                }
-            },
-            // Lists (seats, reward functions) are indexed; the typed parse checks their items.
-            Yaml::Sequence(_) => return Ok(()),
-            // A leaf (model.path, training.lr) takes a value but has no keys below.
-            _ => return Err((key.to_string(), format!("{} is a value, not a section", describe(&segments[..depth])))),
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -1256,20 +1132,4 @@ mod tests {
         }
     }
 
-    #[test]
-    fn override_keys_parse() {
-        assert_eq!(
-            parse_key("a.b[2][0].c"),
-            Some(vec![
-                Segment::Key("a".into()),
-                Segment::Key("b".into()),
-                Segment::Index(2),
-                Segment::Index(0),
-                Segment::Key("c".into())
-            ])
-        );
-        for bad in ["", ".a", "a.", "a..b", "a[x]", "a[1", "a[1]b", "[1]"] {
-            assert_eq!(parse_key(bad), None, "{bad:?}");
-        }
-    }
 }

@@ -110,7 +110,7 @@ pub fn evaluate(
     let mut rng = ChaCha8Rng::seed_from_u64(config.eval.seed);
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
-    for chunk in seeds.chunks(config.eval.batch_episodes.max(1)) {
+    for chunk in seeds.chunks(config.runtime.eval_batch_episodes.max(1)) {
         let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
         records.extend(run_episodes_with_baselines(
             model,
@@ -187,7 +187,8 @@ mod tests {
         let yaml = "env: {name: hanabi, players: 2, observation: compact}\n\
                     action: {mode: choice, choice_score: mean, chat_template: false}\n\
                     training: {max_episode_steps: 2}\n\
-                    eval: {seed: 77, batch_episodes: 2}";
+                    eval: {seed: 77}\n\
+                    runtime: {eval_batch_episodes: 2}";
         let config = TrainConfig::from_yaml_str(yaml, std::path::Path::new("test.yaml"), &[], &registry).unwrap();
         let device = burn::tensor::Device::flex();
         let model = load_model(&config, &device).unwrap();

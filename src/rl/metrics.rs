@@ -72,6 +72,9 @@ impl From<&IterationStats> for IterationMetrics {
         if let Some(kl) = stats.kl {
             extra.insert("kl".to_string(), kl);
         }
+        if let Some(fraction) = stats.clip_fraction {
+            extra.insert("clip_fraction".to_string(), fraction);
+        }
         for (phase, seconds) in &stats.phase_seconds {
             extra.insert(format!("seconds_{phase}"), *seconds);
         }
@@ -293,6 +296,7 @@ mod tests {
             rollout_tokens_per_second: 800.0,
             seconds: 1.5,
             kl: Some(0.125),
+            clip_fraction: None,
             mean_episode_steps: 6.0,
             phase_seconds: [("rollout".to_string(), 1.0), ("update".to_string(), 0.5)].into_iter().collect(),
             phase_flops: [("rollout".to_string(), 4e9)].into_iter().collect(),

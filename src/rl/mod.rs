@@ -3,6 +3,7 @@
 //! learning-curve plots.
 
 pub mod advantage;
+pub mod batch;
 pub mod checkpoint;
 pub mod config;
 pub mod config_file;
@@ -12,8 +13,10 @@ pub mod external_reward;
 pub mod flops;
 pub mod limits;
 pub mod lock;
-pub mod loss;
 pub mod metrics;
+pub mod objective;
+pub mod optimizer;
+pub mod overrides;
 pub mod plot;
 pub mod preflight;
 pub mod protocols;
@@ -21,6 +24,8 @@ pub mod rewards;
 pub mod rollout;
 pub mod run;
 pub mod trainer;
+pub mod update;
+pub mod warmup;
 
 pub use config::TrainConfig;
 pub use metrics::{IterationMetrics, MetricsWriter};

@@ -96,6 +96,11 @@ pub struct Turn {
     pub prompt_ids: Vec<u32>,
     /// The reply tokens (what the policy loss trains on).
     pub completion_ids: Vec<u32>,
+    /// The log-probabilities recorded when the reply was sampled, the quantity the trainer
+    /// scores: one per reply token (`free`, `constrained`: the model's full next-token
+    /// distribution, [`crate::generate::Generation::logprobs`]) or one for the decision
+    /// (`choice`: `log pi(chosen)` under the choice policy). Importance ratios start from them.
+    pub sampling_logprobs: Vec<f32>,
     /// The reward this seat got from the step this turn belongs to (penalty included).
     pub reward: f64,
     /// Whether the reply was not a legal action.
@@ -197,6 +202,7 @@ enum Source {
 struct Decided {
     action: Option<Action>,
     completion_ids: Vec<u32>,
+    sampling_logprobs: Vec<f32>,
     invalid: bool,
     choice: Option<ChoiceTurn>,
 }
@@ -353,6 +359,7 @@ pub fn run_episodes_with_baselines(
                     agent: p.agent,
                     prompt_ids: p.prompt_ids.clone(),
                     completion_ids: d.completion_ids.clone(),
+                    sampling_logprobs: d.sampling_logprobs.clone(),
                     reward: step_rewards.get(p.seat).copied().unwrap_or(0.0) + penalty,
                     invalid: d.invalid,
                     penalty,
@@ -420,6 +427,7 @@ fn decide_free(
                     decided[r] = Some(Decided {
                         action: Some(action),
                         completion_ids: out.output_ids,
+                        sampling_logprobs: out.logprobs,
                         invalid: attempt > 0,
                         choice: None,
                     })
@@ -439,7 +447,13 @@ fn decide_free(
                         Fallback::EndEpisode => None,
                         Fallback::Random | Fallback::Retry => random_legal(envs[p.episode].as_ref(), p.seat, rng),
                     };
-                    decided[r] = Some(Decided { action, completion_ids: out.output_ids, invalid: true, choice: None });
+                    decided[r] = Some(Decided {
+                        action,
+                        completion_ids: out.output_ids,
+                        sampling_logprobs: out.logprobs,
+                        invalid: true,
+                        choice: None,
+                    });
                 }
             }
         }
@@ -523,6 +537,7 @@ fn decide_constrained(
             Decided {
                 action: Some(Action::Id(ids[picked])),
                 completion_ids: out.output_ids,
+                sampling_logprobs: out.logprobs,
                 invalid: false,
                 choice: None,
             }
@@ -567,11 +582,22 @@ fn decide_choice(
         decided.push(Decided {
             action: Some(Action::Id(list[pick].0)),
             completion_ids: tokens[pick].clone(),
+            sampling_logprobs: vec![choice_log_prob(&likelihoods, temperature, pick)],
             invalid: false,
             choice: Some(ChoiceTurn { candidates: tokens, chosen: pick, entropy }),
         });
     }
     Ok(decided)
+}
+
+/// `log softmax(scores / temperature)[pick]`, the choice policy's log-probability of `pick`
+/// as the trainer computes it (`crate::generate::choice::choice_log_policy`: scores are divided
+/// only at a positive temperature other than 1).
+pub fn choice_log_prob(scores: &[f32], temperature: f32, pick: usize) -> f32 {
+    let scale = |v: f32| if temperature > 0.0 && temperature != 1.0 { f64::from(v) / f64::from(temperature) } else { f64::from(v) };
+    let max = scores.iter().map(|&v| scale(v)).fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = scores.iter().map(|&v| (scale(v) - max).exp()).sum();
+    (scale(scores[pick]) - max - sum.ln()) as f32
 }
 
 /// Entropy (nats) of `softmax(scores / temperature)` (0 at temperature 0: the policy is greedy).

@@ -22,7 +22,7 @@ use super::checkpoint::{clean_staging, latest_checkpoint, list_checkpoints, load
 use super::config::{TrainConfig, CONFIG_FILE};
 use super::lock::{RunLock, LOCK_FILE};
 use super::metrics::{truncate_to, IterationMetrics, MetricsWriter};
-use super::trainer::MagrpoTrainer;
+use super::trainer::{MagrpoTrainer, TrainerState};
 use crate::adapters::{AdapterMode, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
@@ -110,7 +110,8 @@ impl TrainingRun {
         super::config_guard::record(&config, &run_dir)?;
         let _ = std::fs::remove_file(super::metrics::metrics_path(&run_dir));
         let metrics = MetricsWriter::open(&run_dir)?;
-        let dir = save_checkpoint(&run_dir, 0, &trainer.manager, &trainer.optimizer_states, &trainer.rng)?;
+        let state = trainer.state();
+        let dir = save_checkpoint(&run_dir, 0, &trainer.manager, &state.optimizer_states, &state.rng)?;
         Ok(Self { run_dir, config, trainer, last_checkpoint: (0, dir), metrics, _lock: lock })
     }
 
@@ -160,9 +161,11 @@ impl TrainingRun {
         let mut manager = fresh_adapters(&config, &model)?;
         let (checkpoint, dir) = load_newest_readable(run_dir, &mut manager, device)?;
         let mut trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
-        trainer.iteration = checkpoint.iteration;
-        trainer.rng = checkpoint.rng;
-        trainer.optimizer_states = checkpoint.optimizer_states;
+        trainer.restore(TrainerState {
+            iteration: checkpoint.iteration,
+            rng: checkpoint.rng,
+            optimizer_states: checkpoint.optimizer_states,
+        });
         if !overrides.is_empty() {
             config.save(run_dir)?;
         }
@@ -180,12 +183,12 @@ impl TrainingRun {
 
     /// Iterations done.
     pub fn iteration(&self) -> u64 {
-        self.trainer.iteration
+        self.trainer.iteration()
     }
 
     /// Whether every configured iteration is done.
     pub fn finished(&self) -> bool {
-        self.trainer.iteration >= self.config.run.iterations as u64
+        self.trainer.iteration() >= self.config.run.iterations as u64
     }
 
     /// Runs one iteration, appends its metrics line, and checkpoints when due (every
@@ -195,7 +198,7 @@ impl TrainingRun {
         // The format warm-up belongs to the first iteration (a run resumed from checkpoint 0
         // repeats it from the same random state).
         let warmup_started = std::time::Instant::now();
-        let warmup = if self.trainer.iteration == 0 { self.trainer.format_warmup()? } else { Vec::new() };
+        let warmup = if self.trainer.iteration() == 0 { self.trainer.format_warmup()? } else { Vec::new() };
         let warmup_seconds = warmup_started.elapsed().as_secs_f64();
         let stats = self.trainer.step()?;
         let mut metrics = IterationMetrics::from(&stats);
@@ -237,8 +240,9 @@ impl TrainingRun {
     /// Writes a checkpoint of the current state now.
     pub fn checkpoint(&mut self) -> Result<PathBuf> {
         let t = &self.trainer;
-        let dir = save_checkpoint(&self.run_dir, t.iteration, &t.manager, &t.optimizer_states, &t.rng)?;
-        self.last_checkpoint = (t.iteration, dir.clone());
+        let state = t.state();
+        let dir = save_checkpoint(&self.run_dir, state.iteration, &t.manager, &state.optimizer_states, &state.rng)?;
+        self.last_checkpoint = (state.iteration, dir.clone());
         Ok(dir)
     }
 }

@@ -1,31 +1,38 @@
-//! `MagrpoTrainer`: one MAGRPO iteration = G rollouts from each of several starts, turn-level
-//! group-relative advantages per agent, the token-weighted policy loss over every agent's
-//! replies in mixed-adapter micro-batches, and one clipped AdamW step per agent that acted.
+//! `MagrpoTrainer`: one iteration in phases with a contract between them (DESIGN.md,
+//! "Training"):
 //!
-//! Each agent's loss is the mean over its own generated tokens of `-advantage x log p`; the
-//! total is the sum over agents (divided by the number of agents in shared mode, where all
-//! agents train one adapter). Because each adapter only sees its own rows, the summed loss
-//! gives every adapter exactly its own agent's gradient.
+//! 1. **rollouts**: G episodes from each of several starts ([`super::rollout`]);
+//! 2. **credit**: rewards shaped per step and seat, turned into advantages, one
+//!    [`TrainBatch`] row per reply or decision ([`super::batch`]); with a KL penalty, the base
+//!    model's log-probs are attached to the rows;
+//! 3. **update**: the [`Objective`]'s loss over the batch in mixed-adapter micro-batches, one
+//!    backward each ([`super::update`]);
+//! 4. **optimizer**: one clipped AdamW step per adapter that got a gradient
+//!    ([`super::optimizer`]).
+//!
+//! Phases 3 and 4 repeat `training.objective.epochs_per_iteration` times (the clipped
+//! objective). Each agent's loss is normalised over its own units, so the summed loss gives every
+//! adapter exactly its own agent's gradient. The trainer knows no task by name.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use burn::tensor::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use troupe_envs::{Action, Environment, Registry, RewardFn, RewardInput};
+use troupe_envs::{Registry, RewardFn, RewardInput};
 
-use super::advantage::{estimate_turn_advantages, mean_std, scale_by_batch_std, AdvantageBaseline, RewardScaling};
+use super::advantage::mean_std;
+use super::batch::{AdvantageSettings, TrainBatch};
 use super::external_reward::{ExternalRewards, RewardItem};
 use super::flops::FlopModel;
-use super::loss::{k3_estimate, policy_loss, TokenWeights};
+use super::objective::{KlPenalty, Objective, ObjectiveConfig};
+use super::optimizer::{clip_fraction, AgentOptimizers};
 use super::rewards::{RewardFunction, RewardPipeline, SeatOutcome};
-use super::rollout::{make_env, prompt_text, run_episodes, ChoiceTurn, EpisodeRecord, RolloutConfig};
-use crate::adapters::optim::{adapter_grads, grad_norm_squared, scale_grads, AdapterGrads};
-use crate::adapters::{AdamWConfig, AdamWState, AdapterMode, MultiAdapterManager};
+use super::rollout::{make_env, run_episodes, EpisodeRecord, RolloutConfig};
+use super::update::Scorer;
+pub use super::warmup::FormatWarmup;
+use crate::adapters::{AdamWConfig, AdamWState, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
-use crate::generate::choice::{candidate_logliks, choice_log_policy, chosen_indices, PackedChoices};
-use crate::generate::{next_token_logprobs, ScoringBatch};
 use crate::model::Model;
 
 /// The knobs of one training run that the iteration needs.
@@ -51,45 +58,22 @@ pub struct TrainerSettings {
     pub total_iterations: u64,
     /// Per-agent gradient-norm clip (0: none).
     pub max_grad_norm: f64,
-    /// The group baseline of the advantages.
-    pub advantage: AdvantageBaseline,
-    /// Which std divides the advantages.
-    pub scale_rewards: RewardScaling,
+    /// How returns become advantages.
+    pub advantage: AdvantageSettings,
     /// Discount of multi-turn returns.
     pub gamma: f64,
-    /// Weight of the KL penalty to the base model (adapters switched off); 0 skips it.
-    pub kl_coef: f64,
+    /// The objective (`training.objective`).
+    pub objective: ObjectiveConfig,
+    /// The KL penalty to the base model (adapters switched off); a zero weight skips it.
+    pub kl: KlPenalty,
     /// Reward functions and processors applied to every seat's episode.
     pub rewards: RewardPipeline,
     /// Supervised warm-up on the action format before the first iteration.
     pub format_warmup: FormatWarmup,
-    /// Rows per forward/backward micro-batch.
+    /// Rows per forward/backward micro-batch (`runtime.micro_batch_rows`).
     pub micro_batch_rows: usize,
     /// Run seed (rollouts, dropout, starts).
     pub seed: u64,
-}
-
-/// Supervised warm-up on the action format, run once before the first MAGRPO iteration: each
-/// agent's adapter is trained by next-token cross-entropy to answer its seats' prompts with the
-/// text of a uniformly random legal action (then EOS), on states from games played by that
-/// random policy. The targets carry no strategy (every legal action is equally likely), only
-/// the format, so a model that starts by writing noise (the built-in one, which is random)
-/// gets free-mode replies the parser accepts, and with them a learning signal; which actions
-/// are good is left to MAGRPO. Needs an environment with finite legal action sets.
-#[derive(Clone, Debug, PartialEq)]
-pub struct FormatWarmup {
-    /// Optimizer steps (0: no warm-up).
-    pub steps: usize,
-    /// Prompts per step.
-    pub batch_size: usize,
-    /// AdamW learning rate (constant; its moments are discarded afterwards).
-    pub lr: f64,
-}
-
-impl Default for FormatWarmup {
-    fn default() -> Self {
-        Self { steps: 0, batch_size: 16, lr: 1e-3 }
-    }
 }
 
 /// What one iteration did.
@@ -105,9 +89,10 @@ pub struct IterationStats {
     pub mean_score: f64,
     /// Invalid replies / replies.
     pub invalid_rate: f64,
-    /// The policy loss.
+    /// The loss (of the first epoch, with several).
     pub loss: f64,
-    /// Per adapter name: gradient norm before clipping (adapters that got none are absent).
+    /// Per adapter name: gradient norm before clipping (adapters that got none are absent; of
+    /// the first epoch, with several).
     pub grad_norm: BTreeMap<String, f64>,
     /// Learning rate used.
     pub lr: f64,
@@ -115,13 +100,16 @@ pub struct IterationStats {
     pub rollout_tokens_per_second: f64,
     /// Wall time of the iteration.
     pub seconds: f64,
-    /// Mean per-token KL estimate (k3) to the base model, when `kl_coef` > 0.
+    /// Mean per-unit KL estimate to the base model, when the penalty is on.
     pub kl: Option<f64>,
+    /// The clipped objective: the fraction of units whose importance ratio lay outside the clip
+    /// range, over every epoch.
+    pub clip_fraction: Option<f64>,
     /// Mean environment steps per episode.
     pub mean_episode_steps: f64,
-    /// Wall time of each phase: `rollout` (generation or scoring, environments, rewards),
-    /// `update` (the policy loss's forward and backward passes) and `optimizer` (clipping and
-    /// AdamW).
+    /// Wall time of each phase: `rollout` (generation or scoring, environments), `credit`
+    /// (rewards, advantages, the KL reference), `update` (the loss's forward and backward
+    /// passes) and `optimizer` (clipping and AdamW).
     pub phase_seconds: BTreeMap<String, f64>,
     /// Useful floating-point work of the `rollout` and `update` phases ([`super::flops`]).
     pub phase_flops: BTreeMap<String, f64>,
@@ -131,19 +119,29 @@ pub struct IterationStats {
     pub choice_entropy: Option<f64>,
 }
 
-/// The trainer: a model, the agents' adapters, their optimizer states, the iteration count.
+/// What a checkpoint keeps of a trainer besides its adapters: restored with
+/// [`MagrpoTrainer::restore`], read with [`MagrpoTrainer::state`].
+#[derive(Clone, Debug)]
+pub struct TrainerState {
+    /// Iterations done.
+    pub iteration: u64,
+    /// The run's random stream.
+    pub rng: ChaCha8Rng,
+    /// Per adapter name: AdamW state.
+    pub optimizer_states: BTreeMap<String, AdamWState>,
+}
+
+/// The trainer: a model, the agents' adapters, their optimizers, the iteration count.
 pub struct MagrpoTrainer {
     /// The frozen base and tokenizer.
     pub model: Model,
     /// The agents' adapters.
     pub manager: MultiAdapterManager,
-    /// Per adapter name: AdamW state.
-    pub optimizer_states: BTreeMap<String, AdamWState>,
-    /// Iterations done.
-    pub iteration: u64,
+    optimizers: AgentOptimizers,
+    iteration: u64,
     /// The run's random stream: each iteration draws its own seed from it (rollouts,
     /// sampling, fallbacks, dropout), so saving it with a checkpoint makes resuming exact.
-    pub rng: ChaCha8Rng,
+    rng: ChaCha8Rng,
     settings: TrainerSettings,
     registry: Registry,
     external_rewards: ExternalRewards,
@@ -151,44 +149,11 @@ pub struct MagrpoTrainer {
     registered_rewards: Vec<RewardFn>,
 }
 
-/// What one backward pass over an iteration's samples produced.
-struct BackwardPass {
-    grads: BTreeMap<String, AdapterGrads>,
-    /// Useful FLOPs of the forward and backward passes run.
-    flops: f64,
-    loss: f64,
-    kl_sum: f64,
-    kl_tokens: usize,
-    tokens_per_agent: BTreeMap<usize, usize>,
-}
-
 /// Prefixes a non-finite error's message with where it happened.
-fn label_non_finite(err: TroupeError, place: &str) -> TroupeError {
+pub(crate) fn label_non_finite(err: TroupeError, place: &str) -> TroupeError {
     match err {
         TroupeError::NonFinite { message } => TroupeError::NonFinite { message: format!("{place}: {message}") },
         other => other,
-    }
-}
-
-/// One reply to train on.
-struct Sample {
-    agent: usize,
-    /// Prompt then reply (for a `choice` decision, the prompt alone).
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    advantage: f64,
-    /// A `choice` decision: the policy is the softmax over these candidates.
-    choice: Option<ChoiceTurn>,
-}
-
-impl Sample {
-    /// What the loss averages over for this sample: its reply tokens, or one decision.
-    fn units(&self) -> usize {
-        if self.choice.is_some() {
-            1
-        } else {
-            self.tokens.len() - self.prompt_len
-        }
     }
 }
 
@@ -208,6 +173,9 @@ impl MagrpoTrainer {
                 TroupeError::invalid("seat_agents", format!("seat {seat} maps to agent {agent}, which has no adapter"))
             })?;
         }
+        if let Err((field, message)) = settings.objective.check() {
+            return Err(TroupeError::invalid(&format!("training.objective.{field}"), message));
+        }
         make_env(&registry, &settings.env_spec)?;
         let rng = ChaCha8Rng::seed_from_u64(settings.seed);
         let mut registered_rewards = Vec::new();
@@ -223,7 +191,7 @@ impl MagrpoTrainer {
         Ok(Self {
             model,
             manager,
-            optimizer_states: BTreeMap::new(),
+            optimizers: AgentOptimizers::new(settings.adamw.clone(), settings.max_grad_norm),
             iteration: 0,
             rng,
             settings,
@@ -243,6 +211,55 @@ impl MagrpoTrainer {
         &self.registry
     }
 
+    /// Iterations done.
+    pub fn iteration(&self) -> u64 {
+        self.iteration
+    }
+
+    /// Per adapter name: the AdamW state of the adapters that have trained.
+    pub fn optimizer_states(&self) -> &BTreeMap<String, AdamWState> {
+        &self.optimizers.states
+    }
+
+    /// What a checkpoint keeps (besides the adapters).
+    pub fn state(&self) -> TrainerState {
+        TrainerState {
+            iteration: self.iteration,
+            rng: self.rng.clone(),
+            optimizer_states: self.optimizers.states.clone(),
+        }
+    }
+
+    /// Continues from a checkpoint's state (its adapters are loaded into the manager apart).
+    pub fn restore(&mut self, state: TrainerState) {
+        self.iteration = state.iteration;
+        self.rng = state.rng;
+        self.optimizers.states = state.optimizer_states;
+    }
+
+    /// The run's random stream, for phases outside the iteration that draw from it (the format
+    /// warm-up), so a resumed run repeats them exactly.
+    pub(crate) fn rng_mut(&mut self) -> &mut ChaCha8Rng {
+        &mut self.rng
+    }
+
+    /// The scorer of the update phase over this trainer's model and adapters.
+    pub fn scorer(&self) -> Scorer<'_> {
+        Scorer {
+            model: &self.model,
+            manager: &self.manager,
+            micro_batch_rows: self.settings.micro_batch_rows,
+            temperature: f64::from(self.settings.rollout.sampling.temperature),
+            choice_score: self.settings.rollout.choice_score,
+            max_new_tokens: self.settings.rollout.max_new_tokens,
+        }
+    }
+
+    /// The objective of the update phase.
+    pub fn objective(&self) -> Objective {
+        Objective { config: self.settings.objective.clone(), kl: self.settings.kl }
+    }
+
     /// The learning rate of iteration `iteration` (1-based): linear warm-up, then linear decay
     /// to `lr_final_fraction` of the peak at the run's last iteration (constant when 1).
     pub fn learning_rate(&self, iteration: u64) -> f64 {
@@ -256,6 +273,13 @@ impl MagrpoTrainer {
         let span = s.total_iterations.saturating_sub(w.max(1));
         let progress = if span == 0 { 0.0 } else { (iteration.saturating_sub(w.max(1))) as f64 / span as f64 };
         peak * (1.0 - (1.0 - s.lr_final_fraction) * progress.min(1.0))
+    }
+
+    /// The supervised format warm-up ([`FormatWarmup`]); returns each step's mean negative
+    /// log-likelihood per target token (averaged over agents).
+    pub fn format_warmup(&mut self) -> Result<Vec<f64>> {
+        let warmup = self.settings.format_warmup.clone();
+        warmup.run(self)
     }
 
     /// The computed reward functions' values for `episodes`, `[episode][seat][function]` in the
@@ -346,304 +370,10 @@ impl MagrpoTrainer {
         Ok(groups)
     }
 
-    /// Turns groups of episodes into weighted samples: per agent, each of its turns gets its
-    /// seat's discounted return-to-go (`returns`, from [`turn_returns`]) against the group's at
-    /// the agent's same turn index (`training.advantage`), scaled by `training.scale_rewards`.
-    fn samples(&self, groups: &[Vec<EpisodeRecord>], returns: &[Vec<Vec<f64>>]) -> Vec<Sample> {
-        let mut samples = Vec::new();
-        let agents: std::collections::BTreeSet<usize> = self.settings.seat_agents.iter().copied().collect();
-        for (group, group_returns) in groups.iter().zip(returns) {
-            for &agent in &agents {
-                let per_episode: Vec<Vec<f64>> = group
-                    .iter()
-                    .zip(group_returns)
-                    .map(|(e, r)| e.turns.iter().zip(r).filter(|(t, _)| t.agent == agent).map(|(_, g)| *g).collect())
-                    .collect();
-                let advantages =
-                    estimate_turn_advantages(&per_episode, self.settings.advantage, self.settings.scale_rewards);
-                for (episode, adv) in group.iter().zip(advantages) {
-                    for (turn, a) in episode.turns.iter().filter(|t| t.agent == agent).zip(adv) {
-                        if turn.completion_ids.is_empty() {
-                            continue;
-                        }
-                        let mut tokens = turn.prompt_ids.clone();
-                        if turn.choice.is_none() {
-                            tokens.extend_from_slice(&turn.completion_ids);
-                        }
-                        samples.push(Sample {
-                            agent,
-                            tokens,
-                            prompt_len: turn.prompt_ids.len(),
-                            advantage: a,
-                            choice: turn.choice.clone(),
-                        });
-                    }
-                }
-            }
-        }
-        if self.settings.scale_rewards == RewardScaling::Batch {
-            for &agent in &agents {
-                let mut advantages: Vec<f64> =
-                    samples.iter().filter(|s| s.agent == agent).map(|s| s.advantage).collect();
-                scale_by_batch_std(&mut advantages);
-                for (sample, a) in samples.iter_mut().filter(|s| s.agent == agent).zip(advantages) {
-                    sample.advantage = a;
-                }
-            }
-        }
-        samples
-    }
-
-    /// The summed gradients of the policy loss over `samples`, in micro-batches of
-    /// mixed-adapter rows, plus the KL penalty to the base model when `kl_coef` > 0. Nothing is
-    /// updated. Each agent's loss is a mean over its own units: reply tokens weighted by their
-    /// sample's advantage (`-A log p(token)`), or, for `choice` decisions, `-A log pi(a)` with
-    /// `pi = softmax(log-likelihood / temperature)` over the decision's candidates, so every
-    /// candidate's tokens get gradient through the normaliser.
-    fn backward_samples(&self, samples: &[Sample], seed: u64, kl_coef: f64) -> Result<BackwardPass> {
-        let mut units_per_agent: BTreeMap<usize, usize> = BTreeMap::new();
-        for s in samples {
-            *units_per_agent.entry(s.agent).or_default() += s.units();
-        }
-        let shared_divisor = match self.manager.mode() {
-            AdapterMode::Shared => units_per_agent.len().max(1) as f64,
-            AdapterMode::PerAgent => 1.0,
-        };
-        let per_agent = |s: &Sample, x: f64| (x / (units_per_agent[&s.agent] as f64 * shared_divisor)) as f32;
-        let mut pass = BackwardPass {
-            grads: BTreeMap::new(),
-            flops: 0.0,
-            loss: 0.0,
-            kl_sum: 0.0,
-            kl_tokens: 0,
-            tokens_per_agent: BTreeMap::new(),
-        };
-        let micro = self.settings.micro_batch_rows.max(1);
-        // Every sample is scored, even one with zero advantage: its log-probs are what reveal a
-        // diverged (non-finite) adapter before any update.
-        let (choices, replies): (Vec<&Sample>, Vec<&Sample>) = samples.iter().partition(|s| s.choice.is_some());
-        // Forward, then a backward of twice its work; the KL reference is one more forward.
-        let passes = 3.0 + if kl_coef > 0.0 { 1.0 } else { 0.0 };
-        pass.flops = passes * choices.iter().chain(&replies).map(|s| self.sample_flops(s)).sum::<f64>();
-        for (chunk_index, chunk) in replies.chunks(micro).enumerate() {
-            let rows: Vec<Option<usize>> = chunk.iter().map(|s| Some(s.agent)).collect();
-            let (delta, used) = self.manager.mixed_for_training(&rows, seed ^ chunk_index as u64)?;
-            let tokens: Vec<Vec<u32>> = chunk.iter().map(|s| s.tokens.clone()).collect();
-            let batch = ScoringBatch::new(&self.model.lm, &tokens)?;
-            let logprobs = next_token_logprobs(&self.model.lm, &batch, Some(&delta))?;
-            let positions = logprobs.dims()[1];
-            let weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, s.advantage)).collect();
-            let prompt_len: Vec<usize> = chunk.iter().map(|s| s.prompt_len).collect();
-            let token_weights = TokenWeights::for_completions(&prompt_len, &batch.lengths, &weights, positions);
-            // policy_loss divides by the chunk's token count; the weights are already normalised.
-            let mut loss = policy_loss(logprobs.clone(), &token_weights, None, token_weights.num_tokens() as f64)?;
-            if kl_coef > 0.0 {
-                // The base model is the reference: the same rows with every adapter off. Per
-                // agent, the mean over its tokens of k3 = exp(ref - logp) - (ref - logp) - 1.
-                let reference = next_token_logprobs(&self.model.lm, &batch, None)?.detach();
-                let kl_weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, kl_coef)).collect();
-                let per_token = TokenWeights::for_completions(&prompt_len, &batch.lengths, &kl_weights, positions);
-                let (weight, mask) = per_token.tensors(&logprobs.device());
-                let k3 = k3_estimate(reference, logprobs);
-                pass.kl_sum += f64::from((k3.clone().detach() * mask).sum().into_scalar::<f32>());
-                pass.kl_tokens += per_token.num_tokens();
-                loss = loss + (k3 * weight).sum();
-            }
-            self.accumulate(&mut pass, loss, &used)?;
-        }
-        let temperature = f64::from(self.settings.rollout.sampling.temperature);
-        for (chunk_index, chunk) in choices.chunks(micro).enumerate() {
-            let rows: Vec<Option<usize>> = chunk.iter().map(|s| Some(s.agent)).collect();
-            let (delta, used) = self.manager.mixed_for_training(&rows, seed ^ (1 << 32) ^ chunk_index as u64)?;
-            let decisions: Vec<(&[u32], &[Vec<u32>])> = chunk
-                .iter()
-                .map(|s| (&s.tokens[..s.prompt_len], s.choice.as_ref().expect("choice samples").candidates.as_slice()))
-                .collect();
-            let packed = PackedChoices::new(&self.model.lm, &decisions)?;
-            let score = self.settings.rollout.choice_score;
-            let log_policy =
-                choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, Some(&delta))?, temperature);
-            let device = log_policy.device();
-            let chosen: Vec<usize> = chunk.iter().map(|s| s.choice.as_ref().expect("choice samples").chosen).collect();
-            let taken = log_policy.clone().gather(1, chosen_indices(&chosen, &device));
-            let weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, s.advantage)).collect();
-            let weights = Tensor::<2>::from_data(burn::tensor::TensorData::new(weights, [chunk.len(), 1]), &device);
-            let mut loss = (taken * weights).sum().neg();
-            if kl_coef > 0.0 {
-                // The exact KL(pi || pi_base) over the candidates, pi_base with every adapter off.
-                let reference =
-                    choice_log_policy(candidate_logliks(&self.model.lm, &packed, score, None)?, temperature).detach();
-                let kl = (log_policy.clone().exp() * (log_policy - reference)).sum_dim(1);
-                pass.kl_sum += f64::from(kl.clone().detach().sum().into_scalar::<f32>());
-                pass.kl_tokens += chunk.len();
-                let kl_weights: Vec<f32> = chunk.iter().map(|s| per_agent(s, kl_coef)).collect();
-                let kl_weights =
-                    Tensor::<2>::from_data(burn::tensor::TensorData::new(kl_weights, [chunk.len(), 1]), &device);
-                loss = loss + (kl * kl_weights).sum();
-            }
-            self.accumulate(&mut pass, loss, &used)?;
-        }
-        pass.tokens_per_agent = units_per_agent;
-        Ok(pass)
-    }
-
-    /// Forward FLOPs of one sample's scoring.
-    fn sample_flops(&self, s: &Sample) -> f64 {
-        let model = FlopModel::new(&self.model.lm.config);
-        match &s.choice {
-            Some(choice) => {
-                model.packed_choice(s.prompt_len, &choice.candidates.iter().map(Vec::len).collect::<Vec<_>>())
-            }
-            None => model.causal(s.tokens.len(), s.tokens.len() - s.prompt_len),
-        }
-    }
-
-    /// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums.
-    fn accumulate(
-        &self,
-        pass: &mut BackwardPass,
-        loss: Tensor<1>,
-        used: &BTreeMap<String, crate::adapters::LoraAdapter>,
-    ) -> Result<()> {
-        let value: f32 = loss.clone().into_scalar();
-        if !value.is_finite() {
-            return Err(TroupeError::NonFinite { message: format!("the loss is {value}; stopped before any update") });
-        }
-        pass.loss += f64::from(value);
-        let backward = loss.backward();
-        for (name, adapter) in used {
-            if let Some(g) = adapter_grads(adapter, &backward) {
-                let summed = match pass.grads.remove(name) {
-                    None => g,
-                    Some(acc) => acc
-                        .into_iter()
-                        .map(|(site, (a, b))| (site, (a + g[&site].0.clone(), b + g[&site].1.clone())))
-                        .collect(),
-                };
-                pass.grads.insert(name.clone(), summed);
-            }
-        }
-        Ok(())
-    }
-
-    /// One clipped AdamW step per adapter in `grads` at learning rate `lr`, with moments in
-    /// `states`. Every norm is checked before any adapter moves, so a non-finite gradient
-    /// changes nothing. Returns the norms before clipping.
-    fn apply_grads(
-        &mut self,
-        grads: BTreeMap<String, AdapterGrads>,
-        lr: f64,
-        states: &mut BTreeMap<String, AdamWState>,
-    ) -> Result<BTreeMap<String, f64>> {
-        let mut grad_norm = BTreeMap::new();
-        for (name, g) in &grads {
-            let norm = grad_norm_squared(g).sqrt();
-            if !norm.is_finite() {
-                return Err(TroupeError::NonFinite {
-                    message: format!("adapter {name} has a non-finite gradient ({norm}); stopped before any update"),
-                });
-            }
-            grad_norm.insert(name.clone(), norm);
-        }
-        for (name, g) in grads {
-            let norm = grad_norm[&name];
-            let g = if self.settings.max_grad_norm > 0.0 && norm > self.settings.max_grad_norm {
-                scale_grads(g, self.settings.max_grad_norm / norm)
-            } else {
-                g
-            };
-            let agent = self
-                .manager
-                .agent_ids()
-                .into_iter()
-                .find(|a| self.manager.adapter_name(*a).map(|n| n == name).unwrap_or(false))
-                .expect("every trained adapter belongs to an agent");
-            let state = states.entry(name).or_default();
-            let updated = self.settings.adamw.step(self.manager.adapter(agent)?, &g, state, lr);
-            self.manager.set_adapter(agent, updated)?;
-        }
-        Ok(grad_norm)
-    }
-
-    /// The supervised format warm-up ([`FormatWarmup`]); returns each step's mean negative
-    /// log-likelihood per target token (averaged over agents). Its randomness comes from the
-    /// run's stream, so a resumed run repeats it exactly.
-    pub fn format_warmup(&mut self) -> Result<Vec<f64>> {
-        let warmup = self.settings.format_warmup.clone();
-        if warmup.steps == 0 {
-            return Ok(Vec::new());
-        }
-        let mut rng = ChaCha8Rng::seed_from_u64(self.rng.random());
-        let eos = self.model.tokenizer.eos_token_ids.first().copied();
-        let mut envs: Vec<(Box<dyn Environment>, usize)> = Vec::with_capacity(warmup.batch_size);
-        for _ in 0..warmup.batch_size.max(1) {
-            let mut env = make_env(&self.registry, &self.settings.env_spec)?;
-            env.reset(rng.random());
-            envs.push((env, 0));
-        }
-        let mut states = BTreeMap::new();
-        let mut nll = Vec::with_capacity(warmup.steps);
-        for step in 0..warmup.steps {
-            let mut samples = Vec::with_capacity(envs.len());
-            for (env, steps) in envs.iter_mut() {
-                if env.is_terminal() || *steps >= self.settings.rollout.max_episode_steps {
-                    env.reset(rng.random());
-                    *steps = 0;
-                }
-                let mut actions = Vec::new();
-                for seat in env.acting_seats() {
-                    let legal = env.legal_actions(seat).filter(|l| !l.is_empty()).ok_or_else(|| {
-                        TroupeError::invalid(
-                            "training.format_warmup_steps",
-                            format!("the format warm-up needs finite legal actions; {} has none", env.name()),
-                        )
-                    })?;
-                    let pick = &legal[rng.random_range(0..legal.len())];
-                    let prompt =
-                        prompt_text(&self.model, env.as_ref(), seat, self.settings.rollout.chat_template, None)?;
-                    let mut tokens = self.model.tokenizer.encode(&prompt)?;
-                    let prompt_len = tokens.len();
-                    tokens.extend(self.model.tokenizer.encode(&pick.text)?);
-                    tokens.extend(eos);
-                    samples.push(Sample {
-                        agent: self.settings.seat_agents[seat],
-                        tokens,
-                        prompt_len,
-                        advantage: 1.0,
-                        choice: None,
-                    });
-                    actions.push(Action::Id(pick.id));
-                }
-                env.step(&actions).map_err(|e| TroupeError::invalid("format warm-up", e.to_string()))?;
-                *steps += 1;
-            }
-            let agents = samples.iter().map(|s| s.agent).collect::<std::collections::BTreeSet<_>>().len().max(1);
-            let place = format!("format warm-up step {}", step + 1);
-            let pass = self.backward_samples(&samples, rng.random(), 0.0).map_err(|e| label_non_finite(e, &place))?;
-            nll.push(pass.loss / agents as f64);
-            if (step + 1) % (warmup.steps / 10).max(1) == 0 || step + 1 == warmup.steps {
-                tracing::info!(
-                    "format warm-up step {}/{}: nll {:.3}",
-                    step + 1,
-                    warmup.steps,
-                    pass.loss / agents as f64
-                );
-            }
-            self.apply_grads(pass.grads, warmup.lr, &mut states).map_err(|e| label_non_finite(e, &place))?;
-        }
-        Ok(nll)
-    }
-
-    /// Runs one iteration: rollouts, advantages, loss, one step per adapter that got rows.
-    pub fn step(&mut self) -> Result<IterationStats> {
-        let started = Instant::now();
-        let iteration = self.iteration + 1;
-        let iteration_seed: u64 = self.rng.random();
-        let mut rollout_rng = ChaCha8Rng::seed_from_u64(iteration_seed);
-        let groups = self.rollouts(&mut rollout_rng)?;
-        let rollout_seconds = started.elapsed().as_secs_f64();
+    /// The credit phase: every episode's rewards shaped per step and seat, discounted into each
+    /// turn's return, and turned into the batch's advantages.
+    fn credit(&self, groups: &[Vec<EpisodeRecord>]) -> Result<(TrainBatch, Vec<Vec<Vec<Vec<f64>>>>)> {
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
-        let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
         let computed = self.computed_reward_values(&episodes)?;
         let mut computed = computed.iter();
         let shaped: Vec<Vec<Vec<Vec<f64>>>> = groups
@@ -661,14 +391,53 @@ impl MagrpoTrainer {
             .zip(&shaped)
             .map(|(g, s)| g.iter().zip(s).map(|(e, r)| turn_returns(e, r, self.settings.gamma)).collect())
             .collect();
-        let samples = self.samples(&groups, &returns);
-        let backward_started = Instant::now();
+        let batch = TrainBatch::from_groups(groups, &returns, &self.settings.seat_agents, self.settings.advantage);
+        Ok((batch, shaped))
+    }
 
-        let pass = self
-            .backward_samples(&samples, iteration_seed, self.settings.kl_coef)
-            .map_err(|e| label_non_finite(e, &format!("iteration {iteration}")))?;
-        let update_seconds = backward_started.elapsed().as_secs_f64();
-        let update_flops = pass.flops;
+    /// Runs one iteration: rollouts, credit, then per epoch the update and one optimizer step
+    /// per adapter that got rows.
+    pub fn step(&mut self) -> Result<IterationStats> {
+        let started = Instant::now();
+        let iteration = self.iteration + 1;
+        let iteration_seed: u64 = self.rng.random();
+        let mut rollout_rng = ChaCha8Rng::seed_from_u64(iteration_seed);
+        let groups = self.rollouts(&mut rollout_rng)?;
+        let rollout_seconds = started.elapsed().as_secs_f64();
+        let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
+        let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
+
+        let credit_started = Instant::now();
+        let (mut batch, shaped) = self.credit(&groups)?;
+        let objective = self.objective();
+        if objective.kl.coef > 0.0 {
+            self.scorer().attach_reference(&mut batch)?;
+        }
+        let credit_seconds = credit_started.elapsed().as_secs_f64();
+
+        let lr = self.learning_rate(iteration);
+        let place = format!("iteration {iteration}");
+        let (mut update_seconds, mut optimizer_seconds, mut update_flops) = (0.0, 0.0, 0.0);
+        let mut first = None;
+        let mut stats = super::objective::LossStats::default();
+        for epoch in 0..objective.config.epochs() {
+            let update_started = Instant::now();
+            // Epoch 0 keeps the single-epoch run's dropout seeds.
+            let seed = iteration_seed ^ ((epoch as u64) << 48);
+            let pass = self.scorer().gradients(&batch, &objective, seed).map_err(|e| label_non_finite(e, &place))?;
+            update_seconds += update_started.elapsed().as_secs_f64();
+            update_flops += pass.flops;
+            stats.kl_sum += pass.stats.kl_sum;
+            stats.kl_units += pass.stats.kl_units;
+            stats.clipped_units += pass.stats.clipped_units;
+            stats.ratio_units += pass.stats.ratio_units;
+            let optimizer_started = Instant::now();
+            let grad_norm =
+                self.optimizers.step(&mut self.manager, pass.grads, lr).map_err(|e| label_non_finite(e, &place))?;
+            optimizer_seconds += optimizer_started.elapsed().as_secs_f64();
+            first.get_or_insert((pass.loss, grad_norm, pass.units_per_agent, pass.stats));
+        }
+        let (loss_total, grad_norm, tokens_per_agent, first_stats) = first.expect("at least one epoch");
         let flop_model = FlopModel::new(&self.model.lm.config);
         let rollout_flops: f64 = episodes
             .iter()
@@ -680,15 +449,6 @@ impl MagrpoTrainer {
                 None => flop_model.causal(t.prompt_ids.len() + t.completion_ids.len(), t.completion_ids.len()),
             })
             .sum();
-        let optimizer_started = Instant::now();
-        let lr = self.learning_rate(iteration);
-        let mut states = std::mem::take(&mut self.optimizer_states);
-        let updated = self.apply_grads(pass.grads, lr, &mut states);
-        self.optimizer_states = states;
-        let grad_norm = updated.map_err(|e| label_non_finite(e, &format!("iteration {iteration}")))?;
-        let optimizer_seconds = optimizer_started.elapsed().as_secs_f64();
-        let tokens_per_agent = pass.tokens_per_agent;
-        let (loss_total, kl_sum, kl_tokens) = (pass.loss, pass.kl_sum, pass.kl_tokens);
         self.iteration = iteration;
 
         let mut mean_return = BTreeMap::new();
@@ -726,9 +486,15 @@ impl MagrpoTrainer {
             lr,
             rollout_tokens_per_second: generated as f64 / rollout_seconds.max(1e-9),
             seconds: started.elapsed().as_secs_f64(),
-            kl: (self.settings.kl_coef > 0.0).then(|| kl_sum / kl_tokens.max(1) as f64),
+            kl: (self.settings.kl.coef > 0.0).then(|| first_stats.kl_sum / first_stats.kl_units.max(1) as f64),
+            clip_fraction: clip_fraction(&stats),
             mean_episode_steps: mean_std(&steps).0,
-            phase_seconds: [("rollout", rollout_seconds), ("update", update_seconds), ("optimizer", optimizer_seconds)]
+            phase_seconds: [
+                ("rollout", rollout_seconds),
+                ("credit", credit_seconds),
+                ("update", update_seconds),
+                ("optimizer", optimizer_seconds),
+            ]
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect(),
@@ -823,7 +589,10 @@ mod tests {
     use crate::adapters::AdapterConfig;
     use crate::generate::SamplingConfig;
     use crate::model::Preset;
-    use crate::rl::rollout::{ActionMode, Fallback};
+    use crate::adapters::optim::{adapter_grads, AdapterGrads};
+    use crate::generate::choice::{candidate_logliks, PackedChoices};
+    use crate::rl::batch::TrainRow;
+    use crate::rl::rollout::{ActionMode, ChoiceTurn, Fallback};
     use burn::tensor::Device;
 
     fn trainer(seat_agents: Vec<usize>, agents: usize) -> MagrpoTrainer {
@@ -852,10 +621,10 @@ mod tests {
             lr_final_fraction: 1.0,
             total_iterations: 10,
             max_grad_norm: 1.0,
-            advantage: AdvantageBaseline::Mean,
-            scale_rewards: RewardScaling::Group,
+            advantage: AdvantageSettings::default(),
             gamma: 1.0,
-            kl_coef: 0.0,
+            objective: ObjectiveConfig::default(),
+            kl: KlPenalty { coef: 0.0, estimator: crate::rl::objective::KlEstimator::K3 },
             rewards: RewardPipeline::new(
                 vec![crate::rl::rewards::WeightedReward::builtin(crate::rl::rewards::RewardFunction::EnvReturn, 1.0)],
                 vec![],
@@ -878,7 +647,7 @@ mod tests {
         assert_eq!(stats.iteration, 1);
         assert!((stats.lr - 5e-3).abs() < 1e-12, "warm-up: half the peak at iteration 1 of 2");
         assert_eq!(t.manager.adapter(1).unwrap().to_host(), idle_before);
-        assert!(!t.optimizer_states.contains_key("agent_1"), "no optimizer state for an idle agent");
+        assert!(!t.optimizer_states().contains_key("agent_1"), "no optimizer state for an idle agent");
         if stats.grad_norm.contains_key("agent_0") {
             assert_ne!(t.manager.adapter(0).unwrap().to_host(), active_before, "the acting agent learned");
         }
@@ -934,14 +703,16 @@ mod tests {
         let prompt = enc("Hanabi 2p. You are P0. Your turn.");
         let candidates = vec![enc("play 1 [?1]"), enc("hint red [R1 R3]")];
         let advantage = 1.5;
-        let sample = Sample {
+        let row = TrainRow {
             agent: 0,
             tokens: prompt.clone(),
             prompt_len: prompt.len(),
             advantage,
+            sampling_logprobs: vec![0.0],
             choice: Some(ChoiceTurn { candidates: candidates.clone(), chosen: 0, entropy: 0.0 }),
+            reference_logprobs: None,
         };
-        let pass = t.backward_samples(&[sample], 0, 0.0).unwrap();
+        let pass = t.scorer().gradients(&TrainBatch { rows: vec![row] }, &t.objective(), 0).unwrap();
         let got = flat(&pass.grads["agent_0"]);
 
         let score_grad = |k: usize| -> (f32, Vec<f32>) {

@@ -1,0 +1,72 @@
+//! The optimizer phase: per adapter, the gradient norm checked and clipped, then one AdamW step
+//! ([`crate::adapters::optim`]). An adapter that got no gradient is not touched, moments
+//! included; a non-finite gradient anywhere stops the step before any adapter moves.
+
+use std::collections::BTreeMap;
+
+use super::objective::LossStats;
+use crate::adapters::optim::{grad_norm_squared, scale_grads, AdapterGrads};
+use crate::adapters::{AdamWConfig, AdamWState, MultiAdapterManager};
+use crate::error::{Result, TroupeError};
+
+/// The agents' optimizers: AdamW's settings, the clipping norm, and one state per adapter.
+#[derive(Clone, Debug, Default)]
+pub struct AgentOptimizers {
+    /// AdamW's settings (its `lr` is the peak; each step is given its own rate).
+    pub adamw: AdamWConfig,
+    /// Per-adapter gradient-norm clip (0: none).
+    pub max_grad_norm: f64,
+    /// Per adapter name: AdamW state.
+    pub states: BTreeMap<String, AdamWState>,
+}
+
+impl AgentOptimizers {
+    /// Fresh optimizers (no state yet).
+    pub fn new(adamw: AdamWConfig, max_grad_norm: f64) -> Self {
+        Self { adamw, max_grad_norm, states: BTreeMap::new() }
+    }
+
+    /// One clipped AdamW step per adapter in `grads` at learning rate `lr`. Every norm is
+    /// checked before any adapter moves, so a non-finite gradient changes nothing. Returns each
+    /// adapter's gradient norm before clipping.
+    pub fn step(
+        &mut self,
+        manager: &mut MultiAdapterManager,
+        grads: BTreeMap<String, AdapterGrads>,
+        lr: f64,
+    ) -> Result<BTreeMap<String, f64>> {
+        let mut grad_norm = BTreeMap::new();
+        for (name, g) in &grads {
+            let norm = grad_norm_squared(g).sqrt();
+            if !norm.is_finite() {
+                return Err(TroupeError::NonFinite {
+                    message: format!("adapter {name} has a non-finite gradient ({norm}); stopped before any update"),
+                });
+            }
+            grad_norm.insert(name.clone(), norm);
+        }
+        for (name, g) in grads {
+            let norm = grad_norm[&name];
+            let g = if self.max_grad_norm > 0.0 && norm > self.max_grad_norm {
+                scale_grads(g, self.max_grad_norm / norm)
+            } else {
+                g
+            };
+            let agent = manager
+                .agent_ids()
+                .into_iter()
+                .find(|a| manager.adapter_name(*a).map(|n| n == name).unwrap_or(false))
+                .ok_or_else(|| TroupeError::UnknownAdapter { name: name.clone() })?;
+            let state = self.states.entry(name).or_default();
+            let updated = self.adamw.step(manager.adapter(agent)?, &g, state, lr);
+            manager.set_adapter(agent, updated)?;
+        }
+        Ok(grad_norm)
+    }
+}
+
+/// The fraction of measured units whose importance ratio lay outside the clip range, when the
+/// objective measured any.
+pub fn clip_fraction(stats: &LossStats) -> Option<f64> {
+    (stats.ratio_units > 0).then(|| stats.clipped_units as f64 / stats.ratio_units as f64)
+}
