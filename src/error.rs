@@ -116,7 +116,39 @@ pub enum TroupeError {
         /// The adapter name asked for.
         name: String,
     },
-    /// An argument of a call is out of range (an empty batch, a token id beyond the vocab, ...).
+    /// An environment could not be built, reset or asked for a policy (its own typed error,
+    /// chained).
+    #[error("environment: {0}")]
+    Env(#[from] troupe_envs::EnvError),
+    /// The coding task's inference-only protocols could not run.
+    #[error(transparent)]
+    Protocol(#[from] troupe_envs::coding::protocols::ProtocolError),
+    /// An environment failed or refused a step inside a rollout or an evaluation.
+    #[error("{env}: {message}")]
+    EnvStep {
+        /// The environment's name.
+        env: String,
+        /// What it said, with the joint action, step and seed where known.
+        message: String,
+    },
+    /// A setting of the trainer, the rollouts or the evaluation (named by its config key) that
+    /// cannot be used as given.
+    #[error("`{key}`: {message}")]
+    Setting {
+        /// The config key (`action.mode`, `rewards.functions[0].weight`, `training.objective.kind`).
+        key: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A reward function failed or gave a value the trainer cannot use.
+    #[error("reward function `{function}`: {message}")]
+    Reward {
+        /// The reward function's name (`external <command>` for an external one).
+        function: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// An argument of a library call is out of range (an empty batch, a token id beyond the vocab, ...).
     #[error("invalid argument `{name}`: {message}")]
     InvalidArgument {
         /// The argument.
@@ -195,6 +227,21 @@ impl TroupeError {
     /// An [`TroupeError::Io`] for `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         Self::Io { path: path.into(), error: source }
+    }
+
+    /// A [`TroupeError::Setting`] for config key `key`.
+    pub fn setting(key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Setting { key: key.into(), message: message.into() }
+    }
+
+    /// A [`TroupeError::Reward`] of reward function `function`.
+    pub fn reward(function: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::Reward { function: function.into(), message: message.into() }
+    }
+
+    /// A [`TroupeError::EnvStep`] of environment `env`.
+    pub fn env_step(env: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::EnvStep { env: env.into(), message: message.into() }
     }
 
     /// An [`TroupeError::InvalidArgument`].

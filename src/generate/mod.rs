@@ -142,7 +142,10 @@ pub fn generate_constrained(
     let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
     let (padded, valid) = left_pad(prompts, 0);
     let mut outputs: Vec<Generation> =
-        vec![Generation { output_ids: Vec::new(), logprobs: Vec::new(), finished_by_eos: false, sequence: None }; batch];
+        vec![
+            Generation { output_ids: Vec::new(), logprobs: Vec::new(), finished_by_eos: false, sequence: None };
+            batch
+        ];
     let mut done: Vec<bool> = (0..batch).map(|row| constraint(row).is_none() && options.max_new_tokens == 0).collect();
     // Each constrained row's place in its trie.
     let mut nodes = vec![TokenTrie::ROOT; batch];

@@ -211,7 +211,8 @@ mod tests {
         // Four one-turn episodes of agent 0 with returns 1, 2, 3, 6: mean 3, std sqrt(3.5).
         let group: Vec<EpisodeRecord> = (0..4).map(|_| episode(vec![turn(0, 0)])).collect();
         let returns = vec![vec![vec![1.0], vec![2.0], vec![3.0], vec![6.0]]];
-        let settings = |baseline, scaling| AdvantageSettings { baseline, scaling, grouping: AdvantageGrouping::AgentTurn };
+        let settings =
+            |baseline, scaling| AdvantageSettings { baseline, scaling, grouping: AdvantageGrouping::AgentTurn };
         let batch = TrainBatch::from_groups(
             std::slice::from_ref(&group),
             &returns,

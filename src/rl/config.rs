@@ -447,12 +447,7 @@ fn migrate_moved_keys(tree: &mut Yaml, origin: &Path) {
     for (old, new) in MOVED_KEYS {
         let Some(Yaml::Mapping(section)) = tree.get_mut(old[0]) else { continue };
         let Some(value) = section.remove(old[1]) else { continue };
-        tracing::warn!(
-            "{}: `{}` is now `{}`; read as such",
-            origin.display(),
-            old.join("."),
-            new.join(".")
-        );
+        tracing::warn!("{}: `{}` is now `{}`; read as such", origin.display(), old.join("."), new.join("."));
         let Yaml::Mapping(root) = tree else { continue };
         let target = root.entry(Yaml::String(new[0].to_string())).or_insert_with(|| Yaml::Mapping(Mapping::new()));
         if target.is_null() {
@@ -658,8 +653,8 @@ impl TrainConfig {
             return fail("training.max_episode_steps", "must be at least 1".into());
         }
         // rewards
-        if let Err(TroupeError::InvalidArgument { name, message }) = self.reward_pipeline() {
-            return fail(&name, message);
+        if let Err(TroupeError::Setting { key, message }) = self.reward_pipeline() {
+            return fail(&key, message);
         }
         for (i, function) in self.rewards.functions.iter().enumerate() {
             if let RewardFunction::Registered(name) = &function.name {
@@ -1131,5 +1126,4 @@ mod tests {
             }
         }
     }
-
 }

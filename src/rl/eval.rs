@@ -12,11 +12,12 @@ use troupe_envs::{Registry, SeatId};
 
 use super::advantage::mean_std;
 use super::config::{ActionMode, TrainConfig};
-use super::protocols::{is_coding_task, run_protocol, CodingProtocol, ProtocolSetup, ProtocolSummary};
+use super::protocol_writer::run_protocol;
 use super::rollout::{make_env, run_episodes_with_baselines, EpisodeRecord};
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
+use troupe_envs::coding::protocols::{is_coding_task, CodingProtocol, ProtocolSetup, ProtocolSummary};
 
 /// A mean with its standard error (sample std / sqrt(n)).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -100,10 +101,7 @@ pub fn evaluate(
     }
     let mut baselines: BTreeMap<SeatId, Box<dyn Policy>> = BTreeMap::new();
     for (&seat, name) in &config.eval.baseline_seats {
-        baselines.insert(
-            seat,
-            registry.make_policy(name).map_err(|e| TroupeError::invalid("eval.baseline_seats", e.to_string()))?,
-        );
+        baselines.insert(seat, registry.make_policy(name)?);
     }
     let rollout = config.eval_rollout_config();
     let spec = config.eval_env_spec();

@@ -58,9 +58,8 @@ impl ExternalRewards {
         for function in pipeline.external_functions() {
             let command = function.command.join(" ");
             let timeout = Duration::from_secs_f64(function.timeout_s.unwrap_or(DEFAULT_TIMEOUT_S));
-            let process = Process::start(&function.command, timeout).map_err(|message| {
-                TroupeError::invalid("rewards.functions", format!("external reward {command}: {message}"))
-            })?;
+            let process = Process::start(&function.command, timeout)
+                .map_err(|message| TroupeError::reward(format!("external {command}"), message))?;
             functions.push(ExternalReward { command, process: Mutex::new(process) });
         }
         Ok(Self { functions })
@@ -80,11 +79,9 @@ impl ExternalRewards {
         if self.functions.is_empty() {
             return Ok(values);
         }
-        let episodes = serde_json::to_value(items).map_err(|e| TroupeError::invalid("rewards", e.to_string()))?;
+        let episodes = serde_json::to_value(items).map_err(|e| TroupeError::reward("external", e.to_string()))?;
         for function in &self.functions {
-            let fail = |message: String| {
-                TroupeError::invalid("rewards.functions", format!("external reward {}: {message}", function.command))
-            };
+            let fail = |message: String| TroupeError::reward(format!("external {}", function.command), message);
             let mut fields = Map::new();
             fields.insert("episodes".to_string(), episodes.clone());
             let mut process = function.process.lock().unwrap_or_else(|e| e.into_inner());

@@ -19,7 +19,7 @@ pub mod optimizer;
 pub mod overrides;
 pub mod plot;
 pub mod preflight;
-pub mod protocols;
+pub mod protocol_writer;
 pub mod rewards;
 pub mod rollout;
 pub mod run;

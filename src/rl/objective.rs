@@ -373,12 +373,7 @@ mod tests {
         RowTerms {
             advantage: vec![-2.0, -1.0, 0.0, 3.0],
             denominator: vec![5.0; 4], // 5 tokens in all: agent token mean
-            counted: vec![
-                vec![true, true],
-                vec![true, false],
-                vec![true, false],
-                vec![true, false],
-            ],
+            counted: vec![vec![true, true], vec![true, false], vec![true, false], vec![true, false]],
             sampled: vec![vec![-1.0, -2.0], vec![-0.5, 0.0], vec![-1.0, 0.0], vec![-2.0, 0.0]],
         }
     }
@@ -406,7 +401,8 @@ mod tests {
     fn magrpo_is_minus_advantage_times_logp_over_the_agent_tokens() {
         let terms = group_of_four();
         let logp = tensor(vec![-1.0, -2.0, -0.5, 9.0, -1.0, 9.0, -2.0, 9.0], [4, 2]);
-        let (loss, _) = objective(ObjectiveKind::Magrpo, RatioLevel::Token).token_loss(logp.clone(), &terms, None).unwrap();
+        let (loss, _) =
+            objective(ObjectiveKind::Magrpo, RatioLevel::Token).token_loss(logp.clone(), &terms, None).unwrap();
         // -(-2 x (-1 - 2) + -1 x -0.5 + 0 + 3 x -2) / 5 = -(6 + 0.5 - 6) / 5 = -0.1
         let value: f32 = loss.clone().into_scalar();
         assert!((value + 0.1).abs() < 1e-6, "{value}");
@@ -420,7 +416,8 @@ mod tests {
         let values = vec![-1.0, -2.0, -0.5, 0.0, -1.0, 0.0, -2.0, 0.0];
         for ratio in [RatioLevel::Token, RatioLevel::Sequence] {
             let logp = tensor(values.clone(), [4, 2]);
-            let (loss, stats) = objective(ObjectiveKind::Clipped, ratio).token_loss(logp.clone(), &terms, None).unwrap();
+            let (loss, stats) =
+                objective(ObjectiveKind::Clipped, ratio).token_loss(logp.clone(), &terms, None).unwrap();
             assert_eq!((stats.ratio_units, stats.clipped_units), (5, 0));
             close(&grad_of(loss, &logp), &[0.4, 0.4, 0.2, 0.0, 0.0, 0.0, -0.6, 0.0]);
         }
@@ -444,10 +441,7 @@ mod tests {
         let expected = -(-2.0 * e.powf(0.5) - 1.6 - e.powf(0.1) + 3.6) / 5.0;
         let value: f32 = loss.clone().into_scalar();
         assert!((f64::from(value) - expected).abs() < 1e-5, "{value} vs {expected}");
-        close(
-            &grad_of(loss, &logp),
-            &[2.0 * e.powf(0.5) / 5.0, 0.0, e.powf(0.1) / 5.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-        );
+        close(&grad_of(loss, &logp), &[2.0 * e.powf(0.5) / 5.0, 0.0, e.powf(0.1) / 5.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
     }
 
     #[test]
@@ -483,10 +477,7 @@ mod tests {
         for (estimator, expected) in
             [(KlEstimator::K3, (k3(-0.5) + k3(1.0)) / 2.0), (KlEstimator::K1, ((-1.0 + 1.5) + (-2.0 + 1.0)) / 2.0)]
         {
-            let o = Objective {
-                config: ObjectiveConfig::default(),
-                kl: KlPenalty { coef: 0.1, estimator },
-            };
+            let o = Objective { config: ObjectiveConfig::default(), kl: KlPenalty { coef: 0.1, estimator } };
             let (loss, stats) = o.token_loss(logp.clone(), &terms, Some(reference.clone())).unwrap();
             let value: f32 = loss.into_scalar();
             assert!((f64::from(value) - 0.1 * expected).abs() < 1e-6, "{estimator:?}: {value}");
@@ -511,7 +502,8 @@ mod tests {
         assert_eq!(bad.check().unwrap_err().0, "epochs_per_iteration");
         let bad = ObjectiveConfig { kind: ObjectiveKind::Clipped, clip_low: 1.0, ..ObjectiveConfig::default() };
         assert_eq!(bad.check().unwrap_err().0, "clip_low");
-        let ok = ObjectiveConfig { kind: ObjectiveKind::Clipped, epochs_per_iteration: 2, ..ObjectiveConfig::default() };
+        let ok =
+            ObjectiveConfig { kind: ObjectiveKind::Clipped, epochs_per_iteration: 2, ..ObjectiveConfig::default() };
         assert!(ok.check().is_ok());
         assert_eq!(ok.epochs(), 2);
     }

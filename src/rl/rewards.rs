@@ -73,12 +73,7 @@ impl RewardFunction {
     pub fn evaluate(&self, outcome: &SeatOutcome<'_>, index: usize) -> Result<f64> {
         match self {
             RewardFunction::External | RewardFunction::Registered(_) => {
-                outcome.computed.get(index).copied().ok_or_else(|| {
-                    TroupeError::invalid(
-                        "rewards.functions",
-                        format!("reward function `{}` gave no value", self.name()),
-                    )
-                })
+                outcome.computed.get(index).copied().ok_or_else(|| TroupeError::reward(self.name(), "gave no value"))
             }
             RewardFunction::EnvReturn => Ok(outcome.env_return),
             RewardFunction::Score => outcome.metrics.get("score").copied().ok_or_else(|| TroupeError::MissingMetric {
@@ -206,25 +201,25 @@ impl RewardPipeline {
     /// is given, a weight is not finite, or a processor's parameters are invalid.
     pub fn new(functions: Vec<WeightedReward>, processors: Vec<RewardProcessor>) -> Result<Self> {
         if functions.is_empty() {
-            return Err(TroupeError::invalid("rewards.functions", "at least one reward function is needed"));
+            return Err(TroupeError::setting("rewards.functions", "at least one reward function is needed"));
         }
         for (i, function) in functions.iter().enumerate() {
             if !function.weight.is_finite() {
-                return Err(TroupeError::invalid(
-                    &format!("rewards.functions[{i}].weight"),
+                return Err(TroupeError::setting(
+                    format!("rewards.functions[{i}].weight"),
                     format!("{} is not a finite number", function.weight),
                 ));
             }
             let external = function.name == RewardFunction::External;
             if external && function.command.first().is_none_or(|c| c.is_empty()) {
-                return Err(TroupeError::invalid(
-                    &format!("rewards.functions[{i}].command"),
+                return Err(TroupeError::setting(
+                    format!("rewards.functions[{i}].command"),
                     "an external reward function needs a command, e.g. [python3, my_reward.py]",
                 ));
             }
             if !external && (!function.command.is_empty() || function.timeout_s.is_some()) {
-                return Err(TroupeError::invalid(
-                    &format!("rewards.functions[{i}].command"),
+                return Err(TroupeError::setting(
+                    format!("rewards.functions[{i}].command"),
                     format!(
                         "only an external reward function takes a command or timeout_s, not {}",
                         function.name.name()
@@ -232,15 +227,15 @@ impl RewardPipeline {
                 ));
             }
             if let Some(t) = function.timeout_s.filter(|t| !(t.is_finite() && *t > 0.0)) {
-                return Err(TroupeError::invalid(
-                    &format!("rewards.functions[{i}].timeout_s"),
+                return Err(TroupeError::setting(
+                    format!("rewards.functions[{i}].timeout_s"),
                     format!("{t} is not a positive number of seconds"),
                 ));
             }
         }
         for (i, processor) in processors.iter().enumerate() {
             processor.validate().map_err(|(field, message)| {
-                TroupeError::invalid(&format!("rewards.processors[{i}].{field}"), message)
+                TroupeError::setting(format!("rewards.processors[{i}].{field}"), message)
             })?;
         }
         Ok(Self { functions, processors })
@@ -275,10 +270,7 @@ impl RewardPipeline {
             let value = function.name.evaluate(outcome, computed)?;
             computed += usize::from(function.name.is_computed());
             if !value.is_finite() {
-                return Err(TroupeError::invalid(
-                    "reward",
-                    format!("reward function `{}` gave {value}", function.name.name()),
-                ));
+                return Err(TroupeError::reward(function.name.name(), format!("gave {value}")));
             }
             total += function.weight * value;
         }
@@ -300,7 +292,7 @@ impl RewardPipeline {
         metrics: &EpisodeMetrics,
     ) -> Result<Vec<f64>> {
         if self.computed_functions().next().is_some() {
-            return Err(TroupeError::invalid(
+            return Err(TroupeError::setting(
                 "rewards.functions",
                 "computed reward values are needed (see shaped_step_rewards)",
             ));

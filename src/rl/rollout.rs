@@ -240,10 +240,10 @@ pub fn run_episodes_with_baselines(
         return Err(TroupeError::invalid("seeds", "one seed per environment"));
     }
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(envs.len());
-    troupe_envs::batch::reset_all(envs, seeds).map_err(|e| TroupeError::invalid("env", e.to_string()))?;
+    troupe_envs::batch::reset_all(envs, seeds)?;
     for (env, &seed) in envs.iter().zip(seeds) {
         if seat_agents.len() < env.num_seats() {
-            return Err(TroupeError::invalid("seat_agents", format!("{} seats need an agent each", env.num_seats())));
+            return Err(TroupeError::setting("agents.seats", format!("{} seats need an agent each", env.num_seats())));
         }
         records.push(EpisodeRecord {
             seed,
@@ -269,7 +269,7 @@ pub fn run_episodes_with_baselines(
                 if let Some(policy) = baselines.get_mut(&seat) {
                     let action = policy
                         .act(env.as_ref(), seat, rng)
-                        .map_err(|e| TroupeError::invalid("baseline", format!("seat {seat}: {e}")))?;
+                        .map_err(|e| TroupeError::setting(format!("eval.baseline_seats.{seat}"), e.to_string()))?;
                     sources.push(Source::Baseline(action));
                     continue;
                 }
@@ -321,18 +321,17 @@ pub fn run_episodes_with_baselines(
             let step_rewards = match outcome {
                 Some(Ok(rewards)) => rewards,
                 Some(Err(ActionError::Failed(message))) => {
-                    return Err(TroupeError::invalid("env", format!("{}: {message}", envs[episode].name())));
+                    return Err(TroupeError::env_step(envs[episode].name(), message));
                 }
                 // Every action sent was legal or read by the environment itself: a refusal is a
                 // defect of the environment, never a quiet end of the episode.
                 Some(Err(err)) => {
                     let sent =
                         actions.as_deref().unwrap_or_default().iter().map(ToString::to_string).collect::<Vec<_>>();
-                    return Err(TroupeError::invalid(
-                        "env",
+                    return Err(TroupeError::env_step(
+                        envs[episode].name(),
                         format!(
-                            "{} refused the joint action [{}] at step {} of the episode with seed {}: {err}",
-                            envs[episode].name(),
+                            "refused the joint action [{}] at step {} of the episode with seed {}: {err}",
                             sent.join(", "),
                             record.steps,
                             record.seed
@@ -433,7 +432,7 @@ fn decide_free(
                     })
                 }
                 Err(ActionError::Failed(message)) => {
-                    return Err(TroupeError::invalid("env", format!("{}: {message}", envs[p.episode].name())));
+                    return Err(TroupeError::env_step(envs[p.episode].name(), message));
                 }
                 Err(err) if attempt < retries => {
                     let note = format!("Your reply {text:?} was not a legal action: {err}. Answer again.");
@@ -470,13 +469,13 @@ fn decide_free(
 fn finite_legal_actions(envs: &[Box<dyn Environment>], p: &Pending, mode: ActionMode) -> Result<Vec<LegalAction>> {
     let env = envs[p.episode].as_ref();
     let legal = env.legal_actions(p.seat).ok_or_else(|| {
-        TroupeError::invalid(
+        TroupeError::setting(
             "action.mode",
             format!("`{mode}` mode needs finite legal actions; {} takes open-ended text (use `free`)", env.name()),
         )
     })?;
     if legal.is_empty() {
-        return Err(TroupeError::invalid(
+        return Err(TroupeError::setting(
             "action.mode",
             format!("`{mode}` mode: seat {} of {} must act but has no legal action", p.seat, env.name()),
         ));
@@ -594,7 +593,13 @@ fn decide_choice(
 /// as the trainer computes it (`crate::generate::choice::choice_log_policy`: scores are divided
 /// only at a positive temperature other than 1).
 pub fn choice_log_prob(scores: &[f32], temperature: f32, pick: usize) -> f32 {
-    let scale = |v: f32| if temperature > 0.0 && temperature != 1.0 { f64::from(v) / f64::from(temperature) } else { f64::from(v) };
+    let scale = |v: f32| {
+        if temperature > 0.0 && temperature != 1.0 {
+            f64::from(v) / f64::from(temperature)
+        } else {
+            f64::from(v)
+        }
+    };
     let max = scores.iter().map(|&v| scale(v)).fold(f64::NEG_INFINITY, f64::max);
     let sum: f64 = scores.iter().map(|&v| (scale(v) - max).exp()).sum();
     (scale(scores[pick]) - max - sum.ln()) as f32
@@ -633,7 +638,7 @@ pub fn sample_choice(logliks: &[f32], temperature: f32, rng: &mut ChaCha8Rng) ->
 /// A fresh environment from a spec `{name: ..., <params>...}`; a bad spec is an error naming
 /// `env`.
 pub fn make_env(registry: &Registry, spec: &serde_json::Value) -> Result<Box<dyn Environment>> {
-    registry.make_from_spec(spec).map_err(|e| TroupeError::invalid("env", e.to_string()))
+    Ok(registry.make_from_spec(spec)?)
 }
 
 #[cfg(test)]

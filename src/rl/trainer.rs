@@ -149,6 +149,9 @@ pub struct MagrpoTrainer {
     registered_rewards: Vec<RewardFn>,
 }
 
+/// Every episode's shaped rewards, `[group][episode][seat][step]` ([`shaped_step_rewards`]).
+type ShapedRewards = Vec<Vec<Vec<Vec<f64>>>>;
+
 /// Prefixes a non-finite error's message with where it happened.
 pub(crate) fn label_non_finite(err: TroupeError, place: &str) -> TroupeError {
     match err {
@@ -166,15 +169,15 @@ impl MagrpoTrainer {
         settings: TrainerSettings,
     ) -> Result<Self> {
         if settings.group_size < 2 {
-            return Err(TroupeError::invalid("group_size", "a group needs at least 2 rollouts"));
+            return Err(TroupeError::setting("training.group_size", "a group needs at least 2 rollouts"));
         }
         for (seat, agent) in settings.seat_agents.iter().enumerate() {
             manager.adapter_name(*agent).map_err(|_| {
-                TroupeError::invalid("seat_agents", format!("seat {seat} maps to agent {agent}, which has no adapter"))
+                TroupeError::setting("agents.seats", format!("seat {seat} maps to agent {agent}, which has no adapter"))
             })?;
         }
         if let Err((field, message)) = settings.objective.check() {
-            return Err(TroupeError::invalid(&format!("training.objective.{field}"), message));
+            return Err(TroupeError::setting(format!("training.objective.{field}"), message));
         }
         make_env(&registry, &settings.env_spec)?;
         let rng = ChaCha8Rng::seed_from_u64(settings.seed);
@@ -182,7 +185,7 @@ impl MagrpoTrainer {
         for function in settings.rewards.functions() {
             if let RewardFunction::Registered(name) = &function.name {
                 let found = registry.reward(name).ok_or_else(|| {
-                    TroupeError::invalid("rewards.functions", format!("no reward function {name:?} is registered"))
+                    TroupeError::setting("rewards.functions", format!("no reward function {name:?} is registered"))
                 })?;
                 registered_rewards.push(found);
             }
@@ -330,14 +333,9 @@ impl MagrpoTrainer {
                         RewardFunction::External => external.next(),
                         _ => registered.next().map(|f| f(&input)),
                     };
-                    let value = value.ok_or_else(|| {
-                        TroupeError::invalid("rewards.functions", format!("`{}` gave no value", function.name.name()))
-                    })?;
+                    let value = value.ok_or_else(|| TroupeError::reward(function.name.name(), "gave no value"))?;
                     if !value.is_finite() {
-                        return Err(TroupeError::invalid(
-                            "rewards.functions",
-                            format!("reward function `{}` gave {value} for seat {seat}", function.name.name()),
-                        ));
+                        return Err(TroupeError::reward(function.name.name(), format!("gave {value} for seat {seat}")));
                     }
                     seat_values.push(value);
                 }
@@ -372,11 +370,11 @@ impl MagrpoTrainer {
 
     /// The credit phase: every episode's rewards shaped per step and seat, discounted into each
     /// turn's return, and turned into the batch's advantages.
-    fn credit(&self, groups: &[Vec<EpisodeRecord>]) -> Result<(TrainBatch, Vec<Vec<Vec<Vec<f64>>>>)> {
+    fn credit(&self, groups: &[Vec<EpisodeRecord>]) -> Result<(TrainBatch, ShapedRewards)> {
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
         let computed = self.computed_reward_values(&episodes)?;
         let mut computed = computed.iter();
-        let shaped: Vec<Vec<Vec<Vec<f64>>>> = groups
+        let shaped: ShapedRewards = groups
             .iter()
             .map(|g| {
                 g.iter()
@@ -495,9 +493,9 @@ impl MagrpoTrainer {
                 ("update", update_seconds),
                 ("optimizer", optimizer_seconds),
             ]
-                .into_iter()
-                .map(|(k, v)| (k.to_string(), v))
-                .collect(),
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect(),
             phase_flops: [("rollout".to_string(), rollout_flops), ("update".to_string(), update_flops)]
                 .into_iter()
                 .collect(),
@@ -586,11 +584,11 @@ pub fn turn_returns(episode: &EpisodeRecord, shaped: &[Vec<f64>], gamma: f64) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adapters::optim::{adapter_grads, AdapterGrads};
     use crate::adapters::AdapterConfig;
+    use crate::generate::choice::{candidate_logliks, PackedChoices};
     use crate::generate::SamplingConfig;
     use crate::model::Preset;
-    use crate::adapters::optim::{adapter_grads, AdapterGrads};
-    use crate::generate::choice::{candidate_logliks, PackedChoices};
     use crate::rl::batch::TrainRow;
     use crate::rl::rollout::{ActionMode, ChoiceTurn, Fallback};
     use burn::tensor::Device;
@@ -744,6 +742,57 @@ mod tests {
         let naive_gap =
             g0.iter().zip(&got).map(|(a, g)| (-(advantage as f32) / temperature * a - g).abs()).fold(0f32, f32::max);
         assert!(naive_gap > 1e-3 * scale, "the normaliser's gradient is there");
+    }
+
+    #[test]
+    fn sampling_logprobs_match_rescoring_and_one_clipped_epoch_has_magrpos_gradient() {
+        for mode in [ActionMode::Choice, ActionMode::Free] {
+            let mut t = trainer(vec![0, 1], 2);
+            t.settings.rollout.mode = mode;
+            for agent in 0..2 {
+                let mut adapter = t.manager.adapter(agent).unwrap().clone();
+                for pair in adapter.pairs.values_mut() {
+                    pair.b = pair.b.clone().add_scalar(0.01);
+                }
+                t.manager.set_adapter(agent, adapter).unwrap();
+            }
+            let groups = t.rollouts(&mut ChaCha8Rng::seed_from_u64(5)).unwrap();
+            let (mut batch, _) = t.credit(&groups).unwrap();
+            assert!(batch.rows.len() >= 4, "{mode:?}: rows to train on");
+            // Short games score nothing; give the rows distinct advantages to compare gradients.
+            for (i, row) in batch.rows.iter_mut().enumerate() {
+                row.advantage = (i % 4) as f64 - 1.5;
+            }
+            if mode == ActionMode::Free {
+                // What generation recorded is what scoring the reply gives (another batch shape).
+                for row in &batch.rows {
+                    let (delta, _) = t.manager.mixed(&[Some(row.agent)], false).unwrap();
+                    let scored =
+                        crate::generate::score_rows(&t.model.lm, std::slice::from_ref(&row.tokens), Some(&delta))
+                            .unwrap();
+                    let reply = &scored[0][row.prompt_len - 1..];
+                    assert_eq!(reply.len(), row.sampling_logprobs.len());
+                    for (a, b) in reply.iter().zip(&row.sampling_logprobs) {
+                        assert!((a - b).abs() < 1e-4, "scored {a} vs sampled {b}");
+                    }
+                }
+            }
+            let magrpo = t.scorer().gradients(&batch, &t.objective(), 1).unwrap();
+            let mut clipped = t.objective();
+            clipped.config.kind = crate::rl::objective::ObjectiveKind::Clipped;
+            let pass = t.scorer().gradients(&batch, &clipped, 1).unwrap();
+            assert_eq!(pass.stats.clipped_units, 0, "the policy that sampled is the one scored");
+            assert_eq!(pass.stats.ratio_units, batch.rows.iter().map(|r| r.units()).sum::<usize>());
+            assert_eq!(magrpo.grads.keys().collect::<Vec<_>>(), pass.grads.keys().collect::<Vec<_>>());
+            for (name, grads) in &magrpo.grads {
+                let (want, got) = (flat(grads), flat(&pass.grads[name]));
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                assert!(scale > 1e-6, "{mode:?}: a gradient to compare");
+                for (w, g) in want.iter().zip(&got) {
+                    assert!((w - g).abs() <= 1e-3 * scale, "{mode:?} {name}: {g} vs {w}");
+                }
+            }
+        }
     }
 
     #[test]

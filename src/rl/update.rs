@@ -143,12 +143,20 @@ impl Scorer<'_> {
             let mut reference = Vec::with_capacity(chunk.len() * positions);
             for row in chunk {
                 // Token k (k >= prompt_len) is scored at position k - 1.
-                let counted: Vec<bool> = (0..positions).map(|t| t + 1 >= row.prompt_len && t + 1 < row.tokens.len()).collect();
-                let at = |values: &[f32]| -> Vec<f32> {
-                    (0..positions)
-                        .map(|t| if counted[t] { values.get(t + 1 - row.prompt_len).copied().unwrap_or(0.0) } else { 0.0 })
-                        .collect()
-                };
+                let counted: Vec<bool> =
+                    (0..positions).map(|t| t + 1 >= row.prompt_len && t + 1 < row.tokens.len()).collect();
+                let at =
+                    |values: &[f32]| -> Vec<f32> {
+                        (0..positions)
+                            .map(|t| {
+                                if counted[t] {
+                                    values.get(t + 1 - row.prompt_len).copied().unwrap_or(0.0)
+                                } else {
+                                    0.0
+                                }
+                            })
+                            .collect()
+                    };
                 terms.sampled.push(at(&row.sampling_logprobs));
                 if with_reference {
                     reference.extend(at(row.reference_logprobs.as_deref().unwrap_or_default()));
@@ -196,7 +204,8 @@ impl Scorer<'_> {
             if with_reference {
                 pass.flops += chunk.iter().map(|r| self.row_flops(r)).sum::<f64>();
             }
-            let (loss, stats) = objective.choice_loss(log_policy, chosen_indices(&chosen, &device), &terms, reference)?;
+            let (loss, stats) =
+                objective.choice_loss(log_policy, chosen_indices(&chosen, &device), &terms, reference)?;
             add_stats(&mut pass.stats, &stats);
             accumulate(&mut pass, loss, &used)?;
         }
@@ -209,7 +218,7 @@ impl Scorer<'_> {
             return Ok(());
         }
         match chunk.iter().find(|r| r.sampling_logprobs.len() != r.units()) {
-            Some(row) => Err(TroupeError::invalid(
+            Some(row) => Err(TroupeError::setting(
                 "training.objective.kind",
                 format!(
                     "the clipped objective needs a sampling log-prob per unit, but a row of agent {} has {} for {} units",

@@ -73,14 +73,13 @@ impl FormatWarmup {
                 let mut actions = Vec::new();
                 for seat in env.acting_seats() {
                     let legal = env.legal_actions(seat).filter(|l| !l.is_empty()).ok_or_else(|| {
-                        TroupeError::invalid(
+                        TroupeError::setting(
                             "training.format_warmup_steps",
                             format!("the format warm-up needs finite legal actions; {} has none", env.name()),
                         )
                     })?;
                     let pick = &legal[rng.random_range(0..legal.len())];
-                    let prompt =
-                        prompt_text(&trainer.model, env.as_ref(), seat, settings.rollout.chat_template, None)?;
+                    let prompt = prompt_text(&trainer.model, env.as_ref(), seat, settings.rollout.chat_template, None)?;
                     let mut tokens = trainer.model.tokenizer.encode(&prompt)?;
                     let prompt_len = tokens.len();
                     tokens.extend(trainer.model.tokenizer.encode(&pick.text)?);
@@ -96,7 +95,7 @@ impl FormatWarmup {
                     });
                     actions.push(Action::Id(pick.id));
                 }
-                env.step(&actions).map_err(|e| TroupeError::invalid("format warm-up", e.to_string()))?;
+                env.step(&actions).map_err(|e| TroupeError::env_step(env.name(), format!("format warm-up: {e}")))?;
                 *steps += 1;
             }
             let agents = rows.iter().map(|r| r.agent).collect::<BTreeSet<_>>().len().max(1);

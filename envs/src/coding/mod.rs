@@ -12,6 +12,7 @@
 pub mod check;
 pub mod evaluate;
 pub mod problems;
+pub mod protocols;
 pub mod reward;
 pub mod schemes;
 

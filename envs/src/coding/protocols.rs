@@ -13,26 +13,42 @@
 //!
 //! Every protocol is one shot: the environment is built with `num_turns: 1` whatever the config
 //! says, so the feedback turns of training play no part. All replies of one round, over all
-//! episodes, are written by one [`ReplyWriter::write`] call; with the model that is ONE batched
-//! generation whose rows use their agents' adapters ([`AdapterWriter`]). Rewards are the
+//! episodes, are written by one [`ReplyWriter::write`] call: the seam where a model (troupe's
+//! `AdapterWriter`: ONE batched generation whose rows use their agents' adapters), a person or
+//! a test answers. Rewards are the
 //! environment's level-based reward, invalid-reply penalties excluded (they are a training
 //! signal, not a score); the invalid rate is reported beside them.
 
-use rand::Rng;
-use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use troupe_envs::coding::evaluate::{self, Evaluation, Submission, Verdict};
-use troupe_envs::coding::problems::Problem;
-use troupe_envs::coding::reward::{self, LevelScores};
-use troupe_envs::coding::{CodingEnv, HELPER_SEAT, MAIN_SEAT};
-use troupe_envs::{Action, Environment, Registry, SeatId};
 
-use crate::adapters::MultiAdapterManager;
-use crate::error::{Result, TroupeError};
-use crate::generate::{generate, GenerateOptions};
-use crate::model::{Model, ProjectionDelta};
-use crate::rl::rollout::{chat_prompt, make_env, RolloutConfig};
+use super::evaluate::{self, Evaluation, Submission, Verdict};
+use super::problems::Problem;
+use super::reward::{self, LevelScores};
+use super::{CodingEnv, HELPER_SEAT, MAIN_SEAT};
+use crate::{Action, EnvError, Environment, Registry, SeatId};
+
+/// What a [`ReplyWriter`] may fail with: any error, boxed (the writer is usually a model).
+pub type WriterError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a protocol could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum ProtocolError {
+    /// The setup cannot be run (no episode, a seat without an agent, not the coding task).
+    #[error("inference-only protocols: {0}")]
+    Setup(String),
+    /// The environment could not be built or refused a step.
+    #[error(transparent)]
+    Env(#[from] EnvError),
+    /// The coding task refused the final code's step.
+    #[error("the coding task refused a step: {0}")]
+    Step(crate::ActionError),
+    /// The writer failed, or answered a different number of requests.
+    #[error("writing replies: {0}")]
+    Writer(WriterError),
+}
+
+type Result<T, E = ProtocolError> = std::result::Result<T, E>;
 
 /// The inference-only baselines of the coding task.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -86,11 +102,11 @@ impl std::fmt::Display for CodingProtocol {
 }
 
 impl std::str::FromStr for CodingProtocol {
-    type Err = TroupeError;
+    type Err = ProtocolError;
 
     fn from_str(text: &str) -> Result<Self> {
         CodingProtocol::ALL.into_iter().find(|p| p.name() == text).ok_or_else(|| {
-            TroupeError::invalid("protocol", format!("{text:?} is not one of single, parallel, sequential, discussion"))
+            ProtocolError::Setup(format!("{text:?} is not one of single, parallel, sequential, discussion"))
         })
     }
 }
@@ -113,57 +129,11 @@ pub struct ReplyRequest {
 /// Writes the replies of one round of a protocol, all episodes' at once.
 pub trait ReplyWriter {
     /// One reply text per request, in order.
-    fn write(&mut self, requests: &[ReplyRequest]) -> Result<Vec<String>>;
+    fn write(&mut self, requests: &[ReplyRequest]) -> std::result::Result<Vec<String>, WriterError>;
 }
 
-/// The model's agents: each round is ONE batched generation whose rows use their agents'
-/// adapters, with the rollout's sampling and reply length, prompts in the model's chat template
-/// when `rollout.chat_template`. Each call draws the generation's seed from `rng`.
-pub struct AdapterWriter<'a> {
-    /// The base model.
-    pub model: &'a Model,
-    /// The agents' adapters.
-    pub manager: &'a MultiAdapterManager,
-    /// Sampling, reply length and chat template.
-    pub rollout: &'a RolloutConfig,
-    /// Seeds each generation.
-    pub rng: &'a mut ChaCha8Rng,
-}
-
-impl ReplyWriter for AdapterWriter<'_> {
-    fn write(&mut self, requests: &[ReplyRequest]) -> Result<Vec<String>> {
-        if requests.is_empty() {
-            return Ok(Vec::new());
-        }
-        let prompts = requests
-            .iter()
-            .map(|r| {
-                self.model.tokenizer.encode(&chat_prompt(self.model, &r.system, &r.user, self.rollout.chat_template)?)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let rows: Vec<Option<usize>> = requests.iter().map(|r| Some(r.agent)).collect();
-        let (delta, _) = self.manager.mixed(&rows, false)?;
-        // The same options as a rollout's free-mode generation.
-        let options = GenerateOptions {
-            max_new_tokens: self.rollout.max_new_tokens,
-            sampling: self.rollout.sampling.clone(),
-            seed: self.rng.random(),
-            stop_at_eos: true,
-            use_cache: true,
-        };
-        let outputs = generate(
-            &self.model.lm,
-            &self.model.tokenizer.eos_token_ids,
-            &prompts,
-            &options,
-            Some(&delta as &dyn ProjectionDelta),
-        )?;
-        outputs.iter().map(|out| self.model.tokenizer.decode(&out.output_ids, true)).collect()
-    }
-}
-
-impl<F: FnMut(&[ReplyRequest]) -> Result<Vec<String>>> ReplyWriter for F {
-    fn write(&mut self, requests: &[ReplyRequest]) -> Result<Vec<String>> {
+impl<F: FnMut(&[ReplyRequest]) -> std::result::Result<Vec<String>, WriterError>> ReplyWriter for F {
+    fn write(&mut self, requests: &[ReplyRequest]) -> std::result::Result<Vec<String>, WriterError> {
         self(requests)
     }
 }
@@ -337,19 +307,6 @@ pub fn is_coding_task(env: &dyn Environment) -> bool {
     env.as_any().is::<CodingEnv>()
 }
 
-/// Runs `protocol` with the model's agents (see [`AdapterWriter`]) and summarises it.
-pub fn run_protocol(
-    model: &Model,
-    manager: &MultiAdapterManager,
-    setup: &ProtocolSetup<'_>,
-    protocol: CodingProtocol,
-    rollout: &RolloutConfig,
-    rng: &mut ChaCha8Rng,
-) -> Result<ProtocolSummary> {
-    let mut writer = AdapterWriter { model, manager, rollout, rng };
-    Ok(run_protocol_with(&mut writer, setup, protocol)?.summary)
-}
-
 /// Runs `protocol` on one coding episode per seed, every round's replies from one `writer`
 /// call, and scores the final code in the sandbox.
 pub fn run_protocol_with(
@@ -440,18 +397,15 @@ impl Episode {
 /// One coding environment per seed, reset, built with `num_turns: 1`.
 fn build_envs(setup: &ProtocolSetup<'_>) -> Result<Vec<Episode>> {
     if setup.seeds.is_empty() {
-        return Err(TroupeError::invalid("seeds", "the protocols need at least one episode"));
+        return Err(ProtocolError::Setup("the protocols need at least one episode".into()));
     }
     if setup.seat_agents.len() < 2 {
-        return Err(TroupeError::invalid("seat_agents", "the coding task has two seats, each needs an agent"));
+        return Err(ProtocolError::Setup("the coding task has two seats, each needs an agent".into()));
     }
     // Built once as given first, to name the environment if it is not the coding task.
-    let probe = make_env(setup.registry, setup.env_spec)?;
+    let probe = setup.registry.make_from_spec(setup.env_spec)?;
     if !is_coding_task(probe.as_ref()) {
-        return Err(TroupeError::invalid(
-            "env",
-            format!("the inference-only protocols are defined for the coding task, not {}", probe.name()),
-        ));
+        return Err(ProtocolError::Setup(format!("they are defined for the coding task, not {}", probe.name())));
     }
     let mut spec = setup.env_spec.clone();
     if let Some(object) = spec.as_object_mut() {
@@ -461,9 +415,9 @@ fn build_envs(setup: &ProtocolSetup<'_>) -> Result<Vec<Episode>> {
         .seeds
         .iter()
         .map(|&seed| {
-            let mut env = make_env(setup.registry, &spec)?;
+            let mut env = setup.registry.make_from_spec(&spec)?;
             if !is_coding_task(env.as_ref()) {
-                return Err(TroupeError::invalid("env", "the registry built something other than the coding task"));
+                return Err(ProtocolError::Setup("the registry built something other than the coding task".into()));
             }
             env.reset(seed);
             Ok(Episode { env })
@@ -480,9 +434,9 @@ fn write_round(
     round: usize,
 ) -> Result<Vec<Vec<ProtocolReply>>> {
     let flat: Vec<ReplyRequest> = requests.iter().flatten().cloned().collect();
-    let texts = writer.write(&flat)?;
+    let texts = writer.write(&flat).map_err(ProtocolError::Writer)?;
     if texts.len() != flat.len() {
-        return Err(TroupeError::invalid("replies", format!("{} requests got {} replies", flat.len(), texts.len())));
+        return Err(ProtocolError::Writer(format!("{} requests got {} replies", flat.len(), texts.len()).into()));
     }
     let mut texts = texts.into_iter();
     Ok(envs
@@ -521,7 +475,7 @@ fn score_episodes(
             .collect();
         handles
             .into_iter()
-            .map(|handle| handle.join().map_err(|_| TroupeError::invalid("env", "scoring an episode panicked"))?)
+            .map(|handle| handle.join().map_err(|_| ProtocolError::Setup("scoring an episode panicked".into()))?)
             .collect()
     })
 }
@@ -543,10 +497,7 @@ fn score_episode(
         (String::new(), program, scores, evaluation)
     } else {
         let (helper, main) = (last_code(HELPER_SEAT), last_code(MAIN_SEAT));
-        episode
-            .env
-            .step(&[Action::Text(helper), Action::Text(main)])
-            .map_err(|err| TroupeError::invalid("env", format!("the coding task refused a step: {err}")))?;
+        episode.env.step(&[Action::Text(helper), Action::Text(main)]).map_err(ProtocolError::Step)?;
         let turn = episode.coding().turns().last().expect("a step records its turn").clone();
         (turn.helper_code, turn.main_code, turn.scores, turn.evaluation)
     };
@@ -637,13 +588,7 @@ pub fn discussion_note(seat: SeatId, own: Option<&str>, other: Option<&str>, hel
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::adapters::AdapterConfig;
-    use crate::generate::SamplingConfig;
-    use crate::model::Preset;
-    use crate::rl::rollout::{ActionMode, Fallback};
-    use burn::tensor::Device;
-    use rand::SeedableRng;
-    use troupe_envs::coding::problems::shipped_problems;
+    use crate::coding::problems::shipped_problems;
 
     const SEEDS: [u64; 2] = [3, 11];
 
@@ -652,31 +597,9 @@ mod tests {
         serde_json::json!({"name": "coding", "num_turns": 3})
     }
 
-    fn rollout() -> RolloutConfig {
-        RolloutConfig {
-            mode: ActionMode::Free,
-            invalid_penalty: -1.0,
-            fallback: Fallback::Random,
-            max_retries: 0,
-            max_new_tokens: 6,
-            sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
-            chat_template: true,
-            max_episode_steps: 4,
-            choice_score: crate::generate::choice::ChoiceScore::Sum,
-        }
-    }
-
-    fn model() -> (Model, MultiAdapterManager) {
-        let device = Device::flex();
-        let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
-        let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
-        manager.create_adapters(2, &AdapterConfig::default()).unwrap();
-        (model, manager)
-    }
-
     /// Answers with the shipped problems' reference code: the helper agent its helper, the main
     /// agent the canonical main function, a lone agent both in one program.
-    fn canonical(requests: &[ReplyRequest]) -> Result<Vec<String>> {
+    fn canonical(requests: &[ReplyRequest]) -> std::result::Result<Vec<String>, WriterError> {
         let problems = shipped_problems();
         Ok(requests
             .iter()
@@ -769,52 +692,6 @@ mod tests {
     }
 
     #[test]
-    fn model_agents_run_every_protocol_with_consistent_counts_and_reproducibly() {
-        let (model, manager) = model();
-        let registry = Registry::with_builtins();
-        let setup = ProtocolSetup { env_spec: &spec(), registry: &registry, seeds: &SEEDS, seat_agents: &[0, 1] };
-        let cfg = rollout();
-        for protocol in CodingProtocol::ALL {
-            let run = |seed: u64| {
-                let mut rng = ChaCha8Rng::seed_from_u64(seed);
-                let mut writer = AdapterWriter { model: &model, manager: &manager, rollout: &cfg, rng: &mut rng };
-                run_protocol_with(&mut writer, &setup, protocol).unwrap()
-            };
-            let a = run(7);
-            let s = &a.summary;
-            assert_eq!(s.protocol, protocol);
-            assert_eq!(s.episodes, 2);
-            assert_eq!(s.replies, 2 * protocol.replies_per_episode());
-            assert!(s.invalid_replies <= s.replies && s.passed <= s.episodes);
-            assert_eq!(s.invalid_rate, s.invalid_replies as f64 / s.replies as f64);
-            assert_eq!(s.pass_rate, s.passed as f64 / 2.0);
-            assert!((0.0..=s.max_reward).contains(&s.mean_reward));
-            let level_sum = s.levels.structure + s.levels.syntax + s.levels.tests + s.levels.cooperation;
-            assert!((level_sum - s.mean_reward).abs() < 1e-12);
-            assert_eq!(a.episodes.iter().map(|e| e.seed).collect::<Vec<_>>(), SEEDS);
-            for episode in &a.episodes {
-                // Adapters by seat: the helper's rows on agent 0, the main agent's on agent 1.
-                assert!(episode.replies.iter().all(|r| r.request.agent == r.request.seat));
-                if protocol == CodingProtocol::Sequential {
-                    let draft = episode.replies[0].code.as_deref();
-                    assert!(episode.replies[1].request.user.contains(&code_block(draft)));
-                }
-                if protocol == CodingProtocol::Discussion {
-                    assert!(episode.replies[3].request.user.contains(&code_block(episode.replies[0].code.as_deref())));
-                    assert!(episode.replies[2].request.user.contains(&code_block(episode.replies[1].code.as_deref())));
-                }
-            }
-            assert_eq!(a, run(7), "{protocol}: same seed, same run");
-        }
-        // run_protocol is the summary of the same run.
-        let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let summary = run_protocol(&model, &manager, &setup, CodingProtocol::Parallel, &cfg, &mut rng).unwrap();
-        let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let mut writer = AdapterWriter { model: &model, manager: &manager, rollout: &cfg, rng: &mut rng };
-        assert_eq!(summary, run_protocol_with(&mut writer, &setup, CodingProtocol::Parallel).unwrap().summary);
-    }
-
-    #[test]
     fn bad_setups_are_refused_with_a_message() {
         let registry = Registry::with_builtins();
         let hanabi = serde_json::json!({"name": "hanabi", "players": 2});
@@ -826,7 +703,7 @@ mod tests {
         assert!(run_protocol_with(&mut canonical, &setup, CodingProtocol::Single).is_err());
         let setup = ProtocolSetup { env_spec: &coding, registry: &registry, seeds: &SEEDS, seat_agents: &[0] };
         assert!(run_protocol_with(&mut canonical, &setup, CodingProtocol::Single).is_err());
-        let mut short = |_: &[ReplyRequest]| -> Result<Vec<String>> { Ok(Vec::new()) };
+        let mut short = |_: &[ReplyRequest]| -> std::result::Result<Vec<String>, WriterError> { Ok(Vec::new()) };
         let setup = ProtocolSetup { env_spec: &coding, registry: &registry, seeds: &SEEDS, seat_agents: &[0, 1] };
         assert!(run_protocol_with(&mut short, &setup, CodingProtocol::Parallel).is_err());
     }
