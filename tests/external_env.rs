@@ -443,7 +443,7 @@ fn an_environment_that_refuses_its_own_legal_action_stops_the_rollout_with_a_nam
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let err = run_episodes(&model, &manager, &mut envs, &[42], &[0], &config, &mut rng).unwrap_err().to_string();
     assert!(
-        err.contains("toy refused the joint action [action 0] at step 0 of the episode with seed 42")
+        err.contains("toy: refused the joint action [action 0] at step 0 of the episode with seed 42")
             && err.contains("the table is closed"),
         "{err}"
     );

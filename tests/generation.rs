@@ -3,6 +3,8 @@
 //! a seed fixes sampled text; EOS and max-new-tokens stop rows.
 
 use burn::tensor::Device;
+
+mod common;
 use troupe::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
 use troupe::model::{Model, Preset};
 
@@ -24,13 +26,17 @@ fn kv_cache_matches_full_recompute_on_a_ragged_batch() {
         let cached = generate(&model.lm, &[], &prompts, &options, None).unwrap();
         let full =
             generate(&model.lm, &[], &prompts, &GenerateOptions { use_cache: false, ..options.clone() }, None).unwrap();
-        assert_eq!(cached, full);
+        common::assert_same_generations(&cached, &full, "cached vs full");
         assert!(cached.iter().all(|g| g.output_ids.len() == 12));
         if options.sampling.is_greedy() {
             // Each row alone gives what it gave inside the padded batch.
             for (prompt, batched) in prompts.iter().zip(&cached) {
                 let alone = generate(&model.lm, &[], std::slice::from_ref(prompt), &options, None).unwrap().remove(0);
-                assert_eq!(&alone, batched);
+                common::assert_same_generations(
+                    std::slice::from_ref(&alone),
+                    std::slice::from_ref(batched),
+                    "alone vs batched",
+                );
             }
         }
     }
@@ -79,4 +85,32 @@ fn seed_fixes_sampled_text_and_stops_apply() {
         let cut = first[row].output_ids.iter().position(|t| *t == eos).map_or(5, |i| i + 1);
         assert_eq!(out.output_ids, first[row].output_ids[..cut].to_vec());
     }
+}
+
+#[test]
+fn completion_scoring_equals_full_scoring_at_the_completion_positions() {
+    let device = Device::flex();
+    let model = Model::builtin(Preset::Tiny, 3, &device).unwrap();
+    let rows = prompts(&model);
+    // Completions start at different places in rows of different lengths.
+    let from: Vec<usize> = rows.iter().map(|r| r.len() / 2).collect();
+    let batch = troupe::generate::ScoringBatch::new(&model.lm, &rows).unwrap();
+    let part = troupe::generate::completion_logprobs(&model.lm, &batch, &from, None).unwrap();
+    let [n, width] = part.dims();
+    assert_eq!((n, width), (rows.len(), rows.iter().zip(&from).map(|(r, f)| r.len() - f).max().unwrap()));
+    let part = part.into_data().try_into_vec::<f32>().unwrap();
+    let full = score_rows(&model.lm, &rows, None).unwrap();
+    for (b, (row, &f)) in rows.iter().zip(&from).enumerate() {
+        for j in 0..width {
+            let got = part[b * width + j];
+            if f + j < row.len() {
+                // Token f + j is scored at full position f + j - 1.
+                let want = full[b][f + j - 1];
+                assert!((got - want).abs() < 1e-5, "row {b} token {}: {got} vs {want}", f + j);
+            } else {
+                assert_eq!(got, 0.0, "padding beyond row {b}'s completion");
+            }
+        }
+    }
+    assert!(troupe::generate::completion_logprobs(&model.lm, &batch, &[0, 1, 1], None).is_err());
 }

@@ -6,7 +6,7 @@ pub mod choice;
 pub mod constrained;
 pub mod sampler;
 
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -282,6 +282,69 @@ pub fn next_token_logprobs(
         start += n;
     }
     Ok(if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 0) })
+}
+
+/// Log-probability of each row's completion tokens only: entry `[b, j]` is
+/// `log p(tokens[b, from[b] + j] | tokens[b, ..from[b] + j])` for `j < lengths[b] - from[b]`,
+/// and 0 beyond a row's completion. The values are [`next_token_logprobs`]'s at those positions,
+/// but the LM head (a vocabulary-wide product per position) runs only where a completion token
+/// is scored, not over the prompt. Differentiable when the adapters in `delta` require gradients.
+///
+/// # Shapes
+/// `batch.tokens`: `[batch, seq]` -> `[batch, max over rows of (lengths[b] - from[b])]`
+pub fn completion_logprobs(
+    lm: &CausalLm,
+    batch: &ScoringBatch,
+    from: &[usize],
+    delta: Option<&dyn ProjectionDelta>,
+) -> Result<Tensor<2>> {
+    let [rows, seq] = batch.tokens.dims();
+    if from.len() != rows || from.iter().zip(&batch.lengths).any(|(&f, &n)| f == 0 || f >= n) {
+        return Err(TroupeError::invalid(
+            "from",
+            "one completion start per row, after its first token and before its end",
+        ));
+    }
+    let width = from.iter().zip(&batch.lengths).map(|(&f, &n)| n - f).max().unwrap_or(0);
+    let tokens: Vec<i64> = batch.tokens.clone().into_data().convert::<i64>().try_into_vec::<i64>().expect("token ids");
+    let mut predictors = Vec::with_capacity(rows * width);
+    let mut targets = Vec::with_capacity(rows * width);
+    let mut present = Vec::with_capacity(rows * width);
+    for (b, (&f, &n)) in from.iter().zip(&batch.lengths).enumerate() {
+        for j in 0..width {
+            let real = f + j < n;
+            // Token f + j is predicted at position f + j - 1; padding reads position 0 of its row.
+            predictors.push((b * seq + if real { f + j - 1 } else { 0 }) as i64);
+            targets.push(if real { tokens[b * seq + f + j] } else { 0 });
+            present.push(if real { 1.0f32 } else { 0.0 });
+        }
+    }
+    let device = lm.device().clone();
+    let layout = SequenceLayout::new(rows).step(&batch.valid, &device);
+    let hidden = lm.hidden_states(batch.tokens.clone(), ForwardArgs { layout: &layout, cache: None, delta })?;
+    let size = hidden.dims()[2];
+    let flat = hidden.reshape([rows * seq, size]);
+    let count = rows * width;
+    let index = |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [count]), &device);
+    let (predictors, targets) = (index(predictors), index(targets));
+    let vocab = lm.config.vocab_size;
+    let chunk = (LOGIT_CHUNK_ELEMENTS / vocab.max(1)).clamp(1, count.max(1));
+    let mut parts = Vec::with_capacity(count.div_ceil(chunk));
+    let mut start = 0;
+    while start < count {
+        let n = chunk.min(count - start);
+        let at = flat.clone().select(0, predictors.clone().narrow(0, start, n));
+        let logits = at.matmul(lm.lm_head_t.clone());
+        // log p(target) = logit[target] - logsumexp(logits): no full-size log-softmax tensor.
+        let max = logits.clone().detach().max_dim(1);
+        let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+        let target = logits.gather(1, targets.clone().narrow(0, start, n).reshape([n, 1]));
+        parts.push(target - lse);
+        start += n;
+    }
+    let logprobs = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 0) };
+    let present = Tensor::<2>::from_data(TensorData::new(present, [rows, width]), &device);
+    Ok(logprobs.reshape([rows, width]) * present)
 }
 
 /// [`next_token_logprobs`] read back to the host, each row cut to its real length minus one.

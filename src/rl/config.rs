@@ -15,11 +15,18 @@
 //! action:   {mode: free, invalid_penalty: -1.0, fallback: random, max_retries: 1, max_new_tokens: 16,
 //!            temperature: 1.0, top_p: 1.0, top_k: 0, chat_template: true}
 //! training: {group_size: 4, groups_per_iteration: 2, lr: 1.0e-4, warmup_iterations: 0, max_grad_norm: 1.0,
-//!            weight_decay: 0.0, beta1: 0.9, beta2: 0.999, advantage: mean, scale_rewards: group, kl_coef: 0.0, gamma: 1.0,
-//!            max_episode_steps: 50}
+//!            weight_decay: 0.0, beta1: 0.9, beta2: 0.999, advantage: mean, scale_rewards: group,
+//!            group_by: agent_turn, objective: {kind: magrpo, epochs_per_iteration: 1, clip_low: 0.2,
+//!            clip_high: 0.2, ratio: token, loss_normalization: agent_token_mean}, kl_coef: 0.0,
+//!            kl_estimator: k3, gamma: 1.0, max_episode_steps: 50}
 //! rewards:  {functions: [{name: env_return, weight: 1.0}], processors: [{type: identity}]}
 //! eval:     {episodes: 20, seed: 1000000, baseline_seats: {}}
+//! runtime:  {micro_batch_rows: 16, eval_batch_episodes: 64}
 //! ```
+//!
+//! Sub-configs owned by a component are held as fields and keep their defaults on their own
+//! type (`training.objective` is [`ObjectiveConfig`]; AdamW's defaults are
+//! [`AdamWConfig::default`]'s); the `--set` engine is [`super::overrides`].
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -790,8 +797,10 @@ impl TrainConfig {
         RewardPipeline::new(self.rewards.functions.clone(), self.rewards.processors.clone())
     }
 
-    /// Builds the environment from `env:` and checks what needs it: one agent per seat, and an
-    /// action mode the environment supports (`constrained` and `choice` need a finite action set). `origin` names the config file in errors.
+    /// Builds the environment from `env:` (and `eval.env`'s variant, when given) and checks what
+    /// needs it: one agent per seat, and an action mode the environment supports (`constrained`
+    /// and `choice` need a finite action set). The environment returned may have been reset;
+    /// reset it before use. `origin` names the config file in errors.
     pub fn build_env(&self, origin: &Path, registry: &Registry) -> Result<Box<dyn Environment>> {
         let fail = |key: String, message: String| TroupeError::Config { path: origin.to_path_buf(), key, message };
         let env = registry.make_from_spec(&self.env.spec()).map_err(|err| match err {
@@ -817,8 +826,10 @@ impl TrainConfig {
                 ),
             ));
         }
+        let mut env = env;
         if self.action.mode != ActionMode::Free || self.training.format_warmup_steps > 0 {
-            let mut probe = registry.make_from_spec(&self.env.spec()).map_err(|e| fail("env".into(), e.to_string()))?;
+            // The built environment is the probe (every caller resets it before use).
+            let probe = &mut env;
             probe.reset(self.run.seed);
             if let Some(&seat) = probe.acting_seats().first() {
                 if probe.legal_actions(seat).is_none() && self.action.mode == ActionMode::Free {

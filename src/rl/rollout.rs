@@ -92,7 +92,8 @@ pub struct Turn {
     pub seat: SeatId,
     /// Its agent.
     pub agent: usize,
-    /// The prompt tokens.
+    /// The prompt tokens the reply was generated from (for a retried reply, the retry's prompt
+    /// with its note about the refused reply).
     pub prompt_ids: Vec<u32>,
     /// The reply tokens (what the policy loss trains on).
     pub completion_ids: Vec<u32>,
@@ -201,6 +202,9 @@ enum Source {
 /// The action a row settled on, with what the agent wrote.
 struct Decided {
     action: Option<Action>,
+    /// The prompt the reply was generated from, when it is not the turn's first one (a retry's
+    /// prompt carries the note about the refused reply).
+    retry_prompt: Option<Vec<u32>>,
     completion_ids: Vec<u32>,
     sampling_logprobs: Vec<f32>,
     invalid: bool,
@@ -356,7 +360,7 @@ pub fn run_episodes_with_baselines(
                 record.turns.push(Turn {
                     seat: p.seat,
                     agent: p.agent,
-                    prompt_ids: p.prompt_ids.clone(),
+                    prompt_ids: d.retry_prompt.clone().unwrap_or_else(|| p.prompt_ids.clone()),
                     completion_ids: d.completion_ids.clone(),
                     sampling_logprobs: d.sampling_logprobs.clone(),
                     reward: step_rewards.get(p.seat).copied().unwrap_or(0.0) + penalty,
@@ -425,6 +429,7 @@ fn decide_free(
                 Ok(action) => {
                     decided[r] = Some(Decided {
                         action: Some(action),
+                        retry_prompt: (attempt > 0).then(|| prompts[r].clone()),
                         completion_ids: out.output_ids,
                         sampling_logprobs: out.logprobs,
                         invalid: attempt > 0,
@@ -448,6 +453,7 @@ fn decide_free(
                     };
                     decided[r] = Some(Decided {
                         action,
+                        retry_prompt: (attempt > 0).then(|| prompts[r].clone()),
                         completion_ids: out.output_ids,
                         sampling_logprobs: out.logprobs,
                         invalid: true,
@@ -535,6 +541,7 @@ fn decide_constrained(
             let picked = out.sequence.expect("a constrained row always completes a sequence");
             Decided {
                 action: Some(Action::Id(ids[picked])),
+                retry_prompt: None,
                 completion_ids: out.output_ids,
                 sampling_logprobs: out.logprobs,
                 invalid: false,
@@ -580,6 +587,7 @@ fn decide_choice(
         let entropy = choice_entropy(&likelihoods, temperature);
         decided.push(Decided {
             action: Some(Action::Id(list[pick].0)),
+            retry_prompt: None,
             completion_ids: tokens[pick].clone(),
             sampling_logprobs: vec![choice_log_prob(&likelihoods, temperature, pick)],
             invalid: false,

@@ -746,9 +746,16 @@ mod tests {
 
     #[test]
     fn sampling_logprobs_match_rescoring_and_one_clipped_epoch_has_magrpos_gradient() {
-        for mode in [ActionMode::Choice, ActionMode::Free] {
+        let cases = [
+            (ActionMode::Choice, Fallback::Random),
+            (ActionMode::Free, Fallback::Random),
+            (ActionMode::Free, Fallback::Retry),
+        ];
+        for (mode, fallback) in cases {
             let mut t = trainer(vec![0, 1], 2);
             t.settings.rollout.mode = mode;
+            t.settings.rollout.fallback = fallback;
+            t.settings.rollout.max_retries = 1;
             for agent in 0..2 {
                 let mut adapter = t.manager.adapter(agent).unwrap().clone();
                 for pair in adapter.pairs.values_mut() {
@@ -759,6 +766,11 @@ mod tests {
             let groups = t.rollouts(&mut ChaCha8Rng::seed_from_u64(5)).unwrap();
             let (mut batch, _) = t.credit(&groups).unwrap();
             assert!(batch.rows.len() >= 4, "{mode:?}: rows to train on");
+            if fallback == Fallback::Retry {
+                // The random model's replies are refused, so rows were generated from a retry prompt.
+                let retried = groups.iter().flatten().flat_map(|e| &e.turns).filter(|t| t.invalid).count();
+                assert!(retried > 0, "a retried reply to check");
+            }
             // Short games score nothing; give the rows distinct advantages to compare gradients.
             for (i, row) in batch.rows.iter_mut().enumerate() {
                 row.advantage = (i % 4) as f64 - 1.5;

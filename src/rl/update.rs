@@ -14,7 +14,7 @@ use crate::adapters::optim::{adapter_grads, AdapterGrads};
 use crate::adapters::{AdapterMode, LoraAdapter, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
 use crate::generate::choice::{candidate_logliks, choice_log_policy, chosen_indices, ChoiceScore, PackedChoices};
-use crate::generate::{next_token_logprobs, ScoringBatch};
+use crate::generate::{completion_logprobs, ScoringBatch};
 use crate::model::Model;
 
 /// Log-probability given to absent candidates of a padded `choice` row (far below any present).
@@ -67,13 +67,13 @@ impl Scorer<'_> {
         let mut values: Vec<Vec<f32>> = Vec::new();
         for chunk in replies {
             let tokens: Vec<Vec<u32>> = chunk.iter().map(|r| r.tokens.clone()).collect();
+            let from: Vec<usize> = chunk.iter().map(|r| r.prompt_len).collect();
             let scoring = ScoringBatch::new(&self.model.lm, &tokens)?;
-            let logprobs = next_token_logprobs(&self.model.lm, &scoring, None)?.detach();
-            let [_, positions] = logprobs.dims();
+            let logprobs = completion_logprobs(&self.model.lm, &scoring, &from, None)?.detach();
+            let [_, width] = logprobs.dims();
             let host = logprobs.into_data().try_into_vec::<f32>().expect("log-probs are f32");
             for (i, row) in chunk.iter().enumerate() {
-                let at = |k: usize| host[i * positions + k - 1];
-                values.push((row.prompt_len..row.tokens.len()).map(at).collect());
+                values.push(host[i * width..i * width + row.units()].to_vec());
             }
         }
         for chunk in choices {
@@ -131,8 +131,10 @@ impl Scorer<'_> {
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
             let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ chunk_index as u64)?;
             let tokens: Vec<Vec<u32>> = chunk.iter().map(|r| r.tokens.clone()).collect();
+            let from: Vec<usize> = chunk.iter().map(|r| r.prompt_len).collect();
             let scoring = ScoringBatch::new(&self.model.lm, &tokens)?;
-            let logprobs = next_token_logprobs(&self.model.lm, &scoring, Some(&delta))?;
+            // The LM head runs only at completion positions: position j scores reply token j.
+            let logprobs = completion_logprobs(&self.model.lm, &scoring, &from, Some(&delta))?;
             let positions = logprobs.dims()[1];
             let mut terms = RowTerms {
                 advantage: chunk.iter().map(|r| r.advantage).collect(),
@@ -142,21 +144,12 @@ impl Scorer<'_> {
             };
             let mut reference = Vec::with_capacity(chunk.len() * positions);
             for row in chunk {
-                // Token k (k >= prompt_len) is scored at position k - 1.
-                let counted: Vec<bool> =
-                    (0..positions).map(|t| t + 1 >= row.prompt_len && t + 1 < row.tokens.len()).collect();
-                let at =
-                    |values: &[f32]| -> Vec<f32> {
-                        (0..positions)
-                            .map(|t| {
-                                if counted[t] {
-                                    values.get(t + 1 - row.prompt_len).copied().unwrap_or(0.0)
-                                } else {
-                                    0.0
-                                }
-                            })
-                            .collect()
-                    };
+                let counted: Vec<bool> = (0..positions).map(|j| j < row.units()).collect();
+                let at = |values: &[f32]| -> Vec<f32> {
+                    (0..positions)
+                        .map(|j| if counted[j] { values.get(j).copied().unwrap_or(0.0) } else { 0.0 })
+                        .collect()
+                };
                 terms.sampled.push(at(&row.sampling_logprobs));
                 if with_reference {
                     reference.extend(at(row.reference_logprobs.as_deref().unwrap_or_default()));

