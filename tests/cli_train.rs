@@ -175,3 +175,54 @@ fn bad_configs_and_arguments_give_one_clear_line() {
     let line = error_line(&troupe(&["train", "--config", &coding]));
     assert!(line.contains("action.mode"), "{line}");
 }
+
+#[test]
+fn print_config_shows_every_default_and_trains_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    // An older config: `training.micro_batch_rows` has moved to `runtime:`.
+    let path = dir.path().join("old.yaml");
+    std::fs::write(
+        &path,
+        format!(
+            "run: {{out_dir: {}}}\ntraining: {{micro_batch_rows: 4}}\n",
+            dir.path().join("run").display()
+        ),
+    )
+    .unwrap();
+    let out = troupe(&[
+        "train",
+        "--config",
+        path.to_str().unwrap(),
+        "--set",
+        "training.objective.kind=clipped",
+        "--set",
+        "training.objective.epochs_per_iteration=2",
+        "--print-config",
+    ]);
+    assert!(out.status.success(), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let printed: serde_yaml::Value = serde_yaml::from_slice(&out.stdout).unwrap();
+    let objective = &printed["training"]["objective"];
+    assert_eq!(objective["kind"], "clipped");
+    assert_eq!(objective["epochs_per_iteration"], 2);
+    assert_eq!(objective["clip_low"], 0.2, "defaults are written out");
+    assert_eq!(printed["training"]["kl_estimator"], "k3");
+    assert_eq!(printed["runtime"]["micro_batch_rows"], 4, "the moved key is read in its new place");
+    assert_eq!(printed["runtime"]["eval_batch_episodes"], 64);
+    assert!(printed["training"].get("micro_batch_rows").is_none());
+    assert!(!dir.path().join("run").exists(), "nothing trained, nothing written");
+    // The printed config is itself a config that loads.
+    let resolved = dir.path().join("resolved.yaml");
+    std::fs::write(&resolved, &out.stdout).unwrap();
+    let again = troupe(&["train", "--config", resolved.to_str().unwrap(), "--print-config"]);
+    assert_eq!(String::from_utf8_lossy(&again.stdout), String::from_utf8_lossy(&out.stdout));
+    // A clipped-only knob without the clipped objective is refused with the key.
+    let line = error_line(&troupe(&[
+        "train",
+        "--config",
+        path.to_str().unwrap(),
+        "--set",
+        "training.objective.epochs_per_iteration=3",
+        "--print-config",
+    ]));
+    assert!(line.contains("training.objective.epochs_per_iteration"), "{line}");
+}
