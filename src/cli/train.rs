@@ -32,6 +32,9 @@ pub struct TrainArgs {
     /// No progress bar (log lines only).
     #[arg(long)]
     pub quiet: bool,
+    /// Keep the base quantized: `--set model.quantized=true`.
+    #[arg(long, conflicts_with = "resume")]
+    pub quantized: bool,
 }
 
 /// Runs (or resumes) the training run with the environments and policies of `registry`; prints
@@ -48,7 +51,11 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
                 .with_context(|| format!("resuming {}", run_dir.display()))?
         }
         (None, Some(path)) => {
-            let config = TrainConfig::from_yaml_file(path, &args.set, &registry)?;
+            let mut set = args.set.clone();
+            if args.quantized {
+                set.push("model.quantized=true".to_string());
+            }
+            let config = TrainConfig::from_yaml_file(path, &set, &registry)?;
             let device = match device {
                 Some(d) => d,
                 None => crate::device::parse_device(&config.model.device)?,
