@@ -117,7 +117,7 @@ fn steps_on_one_agent_leave_the_others_byte_identical() {
     let (model, mut manager, tokens) = setup();
     let adamw = AdamWConfig { lr: 1e-2, weight_decay: 0.1, ..AdamWConfig::default() };
     let mut states: BTreeMap<String, AdamWState> = BTreeMap::new();
-    let base_before = model.lm.layers[0].self_attn.qkv_proj.weight_t.to_data().into_bytes().to_vec();
+    let base_before = model.lm.layers[0].self_attn.qkv_proj.dense_t().to_data().into_bytes().to_vec();
     let step =
         |manager: &mut MultiAdapterManager, states: &mut BTreeMap<String, AdamWState>, agents: &[Option<usize>]| {
             let grads = grads_of(&model, manager, &tokens, agents, &[1.0, 1.0, 1.0, 1.0]);
@@ -141,7 +141,7 @@ fn steps_on_one_agent_leave_the_others_byte_identical() {
     assert_eq!(state_bytes(&states["agent_1"]), state_1, "agent 1's AdamW state is byte-identical");
     assert_ne!(host(manager.adapter(0).unwrap()), adapter_0, "agent 0 did learn");
     assert_eq!(states["agent_0"].step, 4);
-    let base_after = model.lm.layers[0].self_attn.qkv_proj.weight_t.to_data().into_bytes().to_vec();
+    let base_after = model.lm.layers[0].self_attn.qkv_proj.dense_t().to_data().into_bytes().to_vec();
     assert_eq!(base_before, base_after, "the base never changes");
 }
 

@@ -41,7 +41,7 @@ fn inspect_describes_file_and_directory() {
     assert_eq!(counted, out["tensors"].as_u64().unwrap());
     let memory = &out["memory_bytes"];
     assert_eq!(memory["f32"].as_u64().unwrap(), 4 * want["config"]["parameters"].as_u64().unwrap());
-    assert!(memory["stored"].as_u64().unwrap() < memory["f32"].as_u64().unwrap() / 2, "{memory}");
+    assert!(memory["quantized"].as_u64().unwrap() < memory["f32"].as_u64().unwrap() / 2, "{memory}");
 
     let dir = common::models_dir().join("tiny-qwen3");
     let out = json_stdout(&troupe(&["model", "inspect", dir.to_str().unwrap()]));
@@ -70,6 +70,18 @@ fn logprobs_and_chat_generation_read_the_file() {
     assert_eq!(out["input_ids"], case["input_ids"]);
     let diff = common::max_abs_diff(&common::floats(&out["logprobs"]), &common::floats(&case["logprobs"]));
     assert!(diff < 1e-4, "{diff}");
+    // Kept quantized, the same weights in their block formats.
+    let quantized = json_stdout(&troupe(&[
+        "logprobs",
+        "--model",
+        path.to_str().unwrap(),
+        "--quantized",
+        "--text",
+        case["text"].as_str().unwrap(),
+    ]));
+    assert_eq!(quantized["input_ids"], case["input_ids"]);
+    let diff = common::max_abs_diff(&common::floats(&quantized["logprobs"]), &common::floats(&case["logprobs"]));
+    assert!(diff < 1e-4, "--quantized: {diff}");
     let out = json_stdout(&troupe(&[
         "generate",
         "--model",
@@ -138,6 +150,12 @@ fn a_config_names_a_gguf_model_path() {
     let config = troupe::rl::config::TrainConfig::from_yaml_str(&text, Path::new("gguf.yaml"), &[], &registry).unwrap();
     let model = troupe::rl::run::load_model(&config, &burn::tensor::Device::flex()).unwrap();
     assert_eq!(model.lm.config.model_type.as_str(), "qwen2");
+    assert_eq!(model.lm.format(), troupe::model::BaseFormat::F32);
+    let quantized = ["model.quantized=true".to_string()];
+    let config =
+        troupe::rl::config::TrainConfig::from_yaml_str(&text, Path::new("gguf.yaml"), &quantized, &registry).unwrap();
+    let model = troupe::rl::run::load_model(&config, &burn::tensor::Device::flex()).unwrap();
+    assert_eq!(model.lm.format(), troupe::model::BaseFormat::Quantized);
     assert_eq!(config.adapter_config().base_model_name_or_path.as_deref(), Some(path.to_str().unwrap()));
     let config = troupe::rl::config::TrainConfig::from_yaml_str(
         "model: {path: missing.gguf}\n",

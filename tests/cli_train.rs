@@ -183,10 +183,7 @@ fn print_config_shows_every_default_and_trains_nothing() {
     let path = dir.path().join("old.yaml");
     std::fs::write(
         &path,
-        format!(
-            "run: {{out_dir: {}}}\ntraining: {{micro_batch_rows: 4}}\n",
-            dir.path().join("run").display()
-        ),
+        format!("run: {{out_dir: {}}}\ntraining: {{micro_batch_rows: 4}}\n", dir.path().join("run").display()),
     )
     .unwrap();
     let out = troupe(&[

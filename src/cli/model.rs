@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::adapters::adapter_delta;
 use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
-use crate::model::{builtin, ChatMessage, Model, Preset, ProjectionDelta};
+use crate::model::{builtin, BaseFormat, ChatMessage, Model, Preset, ProjectionDelta};
 
 /// `troupe init-model`: write the built-in model as a Hugging Face directory.
 #[derive(Debug, Args)]
@@ -38,6 +38,10 @@ pub struct LogprobsArgs {
     /// The text, encoded without added special tokens.
     #[arg(long)]
     pub text: String,
+    /// Keep the base's matrices quantized (a GGUF file's own block types; Q8_0 for a float
+    /// checkpoint) and multiply with them directly: a several times smaller base (CPU only).
+    #[arg(long)]
+    pub quantized: bool,
 }
 
 /// `troupe generate`: continue a prompt.
@@ -70,6 +74,10 @@ pub struct GenerateArgs {
     /// Sampler seed: the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Keep the base's matrices quantized (a GGUF file's own block types; Q8_0 for a float
+    /// checkpoint) and multiply with them directly: a several times smaller base (CPU only).
+    #[arg(long)]
+    pub quantized: bool,
 }
 
 /// `troupe model` subcommands.
@@ -107,8 +115,8 @@ pub fn init_model(args: InitModelArgs) -> Result<()> {
     Ok(())
 }
 
-fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device) -> Result<Model> {
-    Model::from_dir_or_default(model, device).with_context(|| match model {
+fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device, quantized: bool) -> Result<Model> {
+    Model::from_dir_or_default_as(model, device, BaseFormat::from_flag(quantized)).with_context(|| match model {
         Some(path) => format!("loading model {}", path.display()),
         None => "building the built-in model".to_string(),
     })
@@ -116,7 +124,7 @@ fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device) -> Resul
 
 /// Runs `troupe logprobs`.
 pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()> {
-    let model = load(args.model.as_deref(), device)?;
+    let model = load(args.model.as_deref(), device, args.quantized)?;
     let input_ids = model.tokenizer.encode(&args.text)?;
     let delta = adapter_delta(args.adapter.as_deref(), &model, 1)?;
     let delta = delta.as_ref().map(|d| d as &dyn ProjectionDelta);
@@ -151,7 +159,7 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         anyhow::bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
-    let model = load(args.model.as_deref(), device)?;
+    let model = load(args.model.as_deref(), device, args.quantized)?;
     let prompt = if args.chat {
         model
             .tokenizer

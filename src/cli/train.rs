@@ -36,16 +36,23 @@ pub struct TrainArgs {
     /// as YAML on stdout, and train nothing.
     #[arg(long)]
     pub print_config: bool,
+    /// Keep the base quantized: `--set model.quantized=true`.
+    #[arg(long, conflicts_with = "resume")]
+    pub quantized: bool,
 }
 
 /// Runs (or resumes) the training run with the environments and policies of `registry`; prints
 /// `{"run_dir", "iterations", "last", "checkpoint"}`.
 pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Registry) -> anyhow::Result<()> {
     let registry = registry.clone();
+    let mut set = args.set.clone();
+    if args.quantized {
+        set.push("model.quantized=true".to_string());
+    }
     if args.print_config {
         let config = match (&args.resume, &args.config) {
             (Some(run_dir), _) => TrainConfig::from_run_dir(run_dir, &registry)?,
-            (None, Some(path)) => TrainConfig::from_yaml_file(path, &args.set, &registry)?,
+            (None, Some(path)) => TrainConfig::from_yaml_file(path, &set, &registry)?,
             (None, None) => anyhow::bail!("give --config FILE, or --resume RUN_DIR"),
         };
         print!("{}", config.to_yaml()?);
@@ -61,7 +68,7 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
                 .with_context(|| format!("resuming {}", run_dir.display()))?
         }
         (None, Some(path)) => {
-            let config = TrainConfig::from_yaml_file(path, &args.set, &registry)?;
+            let config = TrainConfig::from_yaml_file(path, &set, &registry)?;
             let device = match device {
                 Some(d) => d,
                 None => crate::device::parse_device(&config.model.device)?,

@@ -218,7 +218,7 @@ pub fn candidate_logliks(
     let hidden = lm.hidden_states(packed.tokens.clone(), ForwardArgs { layout: &packed.layout, cache: None, delta })?;
     let size = hidden.dims()[2];
     let at = hidden.reshape([batch * width, size]).select(0, packed.predictors.clone());
-    let logits = at.matmul(lm.lm_head_t.clone());
+    let logits = lm.lm_head.forward_2d(at);
     let [predictors, vocab] = logits.dims();
     let max = logits.clone().detach().max_dim(1);
     let lse = ((logits.clone() - max.clone()).exp().sum_dim(1).log() + max).reshape([predictors]);

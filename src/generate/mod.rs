@@ -334,7 +334,7 @@ pub fn completion_logprobs(
     while start < count {
         let n = chunk.min(count - start);
         let at = flat.clone().select(0, predictors.clone().narrow(0, start, n));
-        let logits = at.matmul(lm.lm_head_t.clone());
+        let logits = lm.lm_head.forward_2d(at);
         // log p(target) = logit[target] - logsumexp(logits): no full-size log-softmax tensor.
         let max = logits.clone().detach().max_dim(1);
         let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;

@@ -18,10 +18,6 @@ fn fnv1a(hash: &mut u64, bytes: &[u8]) {
     }
 }
 
-fn values(tensor: burn::tensor::Tensor<2>) -> Vec<f32> {
-    tensor.to_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default()
-}
-
 /// The fingerprint of `lm`'s weights: `fnv1a64:<16 hex digits>`.
 pub fn base_fingerprint(lm: &CausalLm) -> String {
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
@@ -29,11 +25,12 @@ pub fn base_fingerprint(lm: &CausalLm) -> String {
     for size in [config.vocab_size, config.hidden_size, config.num_hidden_layers, config.intermediate_size] {
         fnv1a(&mut hash, &(size as u64).to_le_bytes());
     }
-    let [vocab, hidden] = lm.embed_tokens.dims();
-    let rows = SAMPLED_ROWS.min(vocab);
-    let mut sample = values(lm.embed_tokens.clone().slice([0..rows, 0..hidden]));
-    let [head_in, head_out] = lm.lm_head_t.dims();
-    sample.extend(values(lm.lm_head_t.clone().slice([0..head_in, 0..SAMPLED_ROWS.min(head_out)])));
+    // The same values whether the base is held in f32 or kept quantized (its blocks dequantize
+    // to exactly the f32 base's weights), so adapters move between the two.
+    let [vocab, _] = lm.embed_tokens.dims();
+    let mut sample = lm.embed_tokens.first_rows(SAMPLED_ROWS.min(vocab));
+    let [head_out, _] = lm.lm_head.dims();
+    sample.extend(lm.lm_head.first_columns(SAMPLED_ROWS.min(head_out)));
     sample.extend(lm.norm.weight.to_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default());
     for value in sample {
         fnv1a(&mut hash, &value.to_bits().to_le_bytes());

@@ -18,6 +18,20 @@ pub fn f32_bytes(config: &ModelConfig) -> u64 {
     4 * (config.num_parameters() + tied_head) as u64
 }
 
+/// Bytes a kept-quantized base (`--quantized`) holds for a float checkpoint of `config`: every
+/// matrix in Q8_0 (f32 where its rows are not whole 32-value blocks), a tied LM head sharing the
+/// embedding's blocks, norms and biases in f32.
+pub fn quantized_float_bytes(config: &ModelConfig) -> u64 {
+    config
+        .tensor_shapes()
+        .iter()
+        .map(|(_, shape)| match shape.as_slice() {
+            [rows, cols] if cols % 32 == 0 => (rows * cols / 32 * 34) as u64,
+            other => 4 * other.iter().product::<usize>() as u64,
+        })
+        .sum()
+}
+
 /// Counts and values of each stored type, by type name.
 #[derive(Default)]
 struct TypeCounts(BTreeMap<String, (usize, usize)>);
@@ -47,10 +61,10 @@ fn describe_gguf(path: &Path) -> Result<Value> {
         types.add(entry.ggml_type.name(), entry.len());
         stored += entry.byte_len() as u64;
     }
-    // What the weights take with the matrices (projections, embedding, LM head) in their stored
-    // block formats and the 1-D tensors (norms, biases) in f32 (a kept-quantized base, not yet
-    // implemented); `f32` is what troupe holds today.
-    let stored_in_memory: u64 =
+    // What a kept-quantized base (`--quantized`) holds: the matrices (projections, embedding, an
+    // untied LM head; a tied head shares the embedding's blocks) in their stored block formats
+    // and the 1-D tensors (norms, biases) in f32.
+    let quantized: u64 =
         file.tensors().iter().map(|e| if e.shape.len() >= 2 { e.byte_len() as u64 } else { 4 * e.len() as u64 }).sum();
     Ok(json!({
         "path": path,
@@ -69,7 +83,7 @@ fn describe_gguf(path: &Path) -> Result<Value> {
         "tensors": file.tensors().len(),
         "tensor_types": types.to_json(),
         "file_tensor_bytes": stored,
-        "memory_bytes": {"f32": f32_bytes(&config), "stored": stored_in_memory},
+        "memory_bytes": {"f32": f32_bytes(&config), "quantized": quantized},
     }))
 }
 
@@ -90,7 +104,7 @@ fn describe_dir(dir: &Path) -> Result<Value> {
         "config": config_json(&config),
         "tensors": store.names().len(),
         "tensor_types": types.to_json(),
-        "memory_bytes": {"f32": f32_bytes(&config)},
+        "memory_bytes": {"f32": f32_bytes(&config), "quantized": quantized_float_bytes(&config)},
     }))
 }
 

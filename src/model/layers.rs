@@ -3,6 +3,8 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+use super::gguf::BlockMatrix;
+use super::quant::{self, BaseFormat, QuantizedWeight};
 use super::weights::WeightSource;
 use crate::error::Result;
 
@@ -102,13 +104,24 @@ pub trait ProjectionDelta {
     fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>>;
 }
 
-/// A frozen linear projection `y = x W^T + b`. The weight is kept transposed, `[in, out]`
-/// row-major, which is the layout the CPU GEMM reads fastest; several projections that read the
-/// same input may be stacked along `out` (q/k/v, gate/up) so they run as one GEMM.
+/// The weight of a frozen linear projection.
+// A burn tensor handle is large (256 bytes), but a model holds only a few of these per layer.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone, Debug)]
+pub enum LinearWeight {
+    /// `W^T` in f32: `[in_features, out_features]` row-major, the layout the CPU GEMM reads
+    /// fastest.
+    Dense(Tensor<2>),
+    /// `W` (`[out_features, in_features]`) kept in block formats ([`super::quant`]).
+    Quantized(QuantizedWeight),
+}
+
+/// A frozen linear projection `y = x W^T + b`. Several projections that read the same input may
+/// be stacked along `out` (q/k/v, gate/up) so they run as one product.
 #[derive(Clone, Debug)]
 pub struct FrozenLinear {
-    /// `W^T`: `[in_features, out_features]`
-    pub weight_t: Tensor<2>,
+    /// The weight, in f32 or kept quantized.
+    pub weight: LinearWeight,
     /// `[out_features]`
     pub bias: Option<Tensor<1>>,
 }
@@ -124,63 +137,150 @@ pub(crate) fn transpose_host(values: &[f32], rows: usize, cols: usize) -> Vec<f3
     out
 }
 
+/// Where a base's weights are read from, onto which device, and in which form.
+#[derive(Clone, Copy)]
+pub struct WeightLoader<'a> {
+    /// The tensors.
+    pub source: &'a dyn WeightSource,
+    /// Where the weights go.
+    pub device: &'a Device,
+    /// f32, or kept quantized.
+    pub format: BaseFormat,
+}
+
+impl WeightLoader<'_> {
+    /// The matrix `name` (`[rows, cols]`) as the base keeps it: f32 `W^T`, or its stored block
+    /// format (a float matrix becomes Q8_0, see [`quant::quantize_float_matrix`]).
+    pub(crate) fn matrix_part(&self, name: &str, rows: usize, cols: usize) -> Result<BlockMatrix> {
+        match self.source.read_blocks(name, rows, cols)? {
+            Some(blocks) => Ok(blocks),
+            None => Ok(quant::quantize_float_matrix(&self.source.read(name, &[rows, cols])?.values, rows, cols)),
+        }
+    }
+}
+
 impl FrozenLinear {
     /// Loads `{prefix}.weight` (and `{prefix}.bias` when `bias`).
     pub fn load(
-        source: &dyn WeightSource,
+        loader: &WeightLoader<'_>,
         prefix: &str,
         in_features: usize,
         out_features: usize,
         bias: bool,
-        device: &Device,
     ) -> Result<Self> {
-        Self::load_stacked(source, &[prefix], in_features, &[out_features], bias, device)
+        Self::load_stacked(loader, &[prefix], in_features, &[out_features], bias)
     }
 
     /// Loads several projections of the same input and stacks them along `out`
     /// (`prefixes[i]` has `out_features[i]` outputs).
     pub fn load_stacked(
-        source: &dyn WeightSource,
+        loader: &WeightLoader<'_>,
         prefixes: &[&str],
         in_features: usize,
         out_features: &[usize],
         bias: bool,
-        device: &Device,
     ) -> Result<Self> {
         let total: usize = out_features.iter().sum();
-        let mut stacked = Vec::with_capacity(total * in_features);
         let mut biases = Vec::with_capacity(total);
-        for (prefix, &out) in prefixes.iter().zip(out_features) {
-            stacked.extend(source.read(&format!("{prefix}.weight"), &[out, in_features])?.values);
-            if bias {
-                biases.extend(source.read(&format!("{prefix}.bias"), &[out])?.values);
+        if bias {
+            for (prefix, &out) in prefixes.iter().zip(out_features) {
+                biases.extend(loader.source.read(&format!("{prefix}.bias"), &[out])?.values);
             }
         }
-        let weight_t = transpose_host(&stacked, total, in_features);
-        Ok(Self {
-            weight_t: Tensor::from_data(TensorData::new(weight_t, [in_features, total]), device),
-            bias: bias.then(|| Tensor::from_data(TensorData::new(biases, [total]), device)),
-        })
+        let weight = match loader.format {
+            BaseFormat::F32 => {
+                let mut stacked = Vec::with_capacity(total * in_features);
+                for (prefix, &out) in prefixes.iter().zip(out_features) {
+                    stacked.extend(loader.source.read(&format!("{prefix}.weight"), &[out, in_features])?.values);
+                }
+                let weight_t = transpose_host(&stacked, total, in_features);
+                LinearWeight::Dense(Tensor::from_data(TensorData::new(weight_t, [in_features, total]), loader.device))
+            }
+            BaseFormat::Quantized => {
+                let parts = prefixes
+                    .iter()
+                    .zip(out_features)
+                    .map(|(prefix, &out)| loader.matrix_part(&format!("{prefix}.weight"), out, in_features))
+                    .collect::<Result<Vec<_>>>()?;
+                LinearWeight::Quantized(QuantizedWeight::new(parts))
+            }
+        };
+        Ok(Self { weight, bias: bias.then(|| Tensor::from_data(TensorData::new(biases, [total]), loader.device)) })
     }
 
     /// `[out_features, in_features]`
     pub fn dims(&self) -> [usize; 2] {
-        let [i, o] = self.weight_t.dims();
-        [o, i]
+        match &self.weight {
+            LinearWeight::Dense(weight_t) => {
+                let [i, o] = weight_t.dims();
+                [o, i]
+            }
+            LinearWeight::Quantized(weight) => weight.dims(),
+        }
+    }
+
+    /// `W^T` (`[in_features, out_features]`) in f32, dequantized when kept quantized.
+    pub fn dense_t(&self) -> Tensor<2> {
+        match &self.weight {
+            LinearWeight::Dense(weight_t) => weight_t.clone(),
+            LinearWeight::Quantized(weight) => {
+                let [rows, cols] = weight.dims();
+                let device = self.bias.as_ref().map_or_else(Device::flex, |b| b.device());
+                Tensor::from_data(TensorData::new(weight.dequantize_t(), [cols, rows]), &device)
+            }
+        }
+    }
+
+    /// The first `n` output columns of `W^T`, row-major `[in_features, n]` (dequantized when
+    /// kept quantized).
+    pub fn first_columns(&self, n: usize) -> Vec<f32> {
+        match &self.weight {
+            LinearWeight::Dense(weight_t) => {
+                let [i, _] = weight_t.dims();
+                weight_t
+                    .clone()
+                    .slice([0..i, 0..n])
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .unwrap_or_default()
+            }
+            LinearWeight::Quantized(weight) => {
+                let rows = weight.gather_rows(&(0..n).collect::<Vec<_>>());
+                transpose_host(&rows, n, weight.dims()[1])
+            }
+        }
+    }
+
+    /// Bytes the weight and bias take in memory.
+    pub fn bytes(&self) -> usize {
+        let weight = match &self.weight {
+            LinearWeight::Dense(weight_t) => 4 * weight_t.dims().iter().product::<usize>(),
+            LinearWeight::Quantized(weight) => weight.bytes(),
+        };
+        weight + self.bias.as_ref().map_or(0, |b| 4 * b.dims()[0])
+    }
+
+    /// # Shapes
+    /// `x`: `[rows, in]` -> `[rows, out]`
+    pub fn forward_2d(&self, x: Tensor<2>) -> Tensor<2> {
+        let y = match &self.weight {
+            LinearWeight::Dense(weight_t) => x.matmul(weight_t.clone()),
+            LinearWeight::Quantized(weight) => quant::quantized_linear(x, weight),
+        };
+        match &self.bias {
+            Some(bias) => y + bias.clone().unsqueeze_dim(0),
+            None => y,
+        }
     }
 
     /// # Shapes
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let [batch, seq, features] = x.dims();
-        let [_, out] = self.weight_t.dims();
-        // One 2-D GEMM over all rows: [batch * seq, in] x [in, out].
-        let y = x.reshape([batch * seq, features]).matmul(self.weight_t.clone());
-        let y = match &self.bias {
-            Some(bias) => y + bias.clone().unsqueeze_dim(0),
-            None => y,
-        };
-        y.reshape([batch, seq, out])
+        let [out, _] = self.dims();
+        // One 2-D product over all rows: [batch * seq, in] x [in, out].
+        self.forward_2d(x.reshape([batch * seq, features])).reshape([batch, seq, out])
     }
 }
 

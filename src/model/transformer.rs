@@ -6,12 +6,13 @@
 //! row uses) is passed in, so one model serves many sequences and many agents at once.
 
 use burn::tensor::activation::silu;
-use burn::tensor::module::{attention, embedding};
+use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 use super::config::{ModelConfig, ModelType};
-use super::layers::{transpose_host, FrozenLinear, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding};
+use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
+use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
 use super::weights::WeightSource;
 use crate::error::{Result, TroupeError};
 
@@ -159,13 +160,13 @@ pub struct CausalLm {
     /// The resolved configuration.
     pub config: ModelConfig,
     /// `model.embed_tokens`: `[vocab, hidden]`
-    pub embed_tokens: Tensor<2>,
+    pub embed_tokens: TokenEmbedding,
     /// `model.layers`
     pub layers: Vec<DecoderLayer>,
     /// `model.norm`
     pub norm: RmsNorm,
-    /// `lm_head` transposed: `[hidden, vocab]` (from the embedding when tied).
-    pub lm_head_t: Tensor<2>,
+    /// `lm_head`: `hidden -> vocab` (the embedding's matrix when tied).
+    pub lm_head: FrozenLinear,
     rope: RotaryEmbedding,
     device: Device,
 }
@@ -220,7 +221,8 @@ fn project(
 }
 
 impl Attention {
-    fn load(source: &dyn WeightSource, prefix: &str, config: &ModelConfig, device: &Device) -> Result<Self> {
+    fn load(loader: &WeightLoader<'_>, prefix: &str, config: &ModelConfig) -> Result<Self> {
+        let (source, device) = (loader.source, loader.device);
         let h = config.hidden_size;
         let q = config.num_attention_heads * config.head_dim;
         let kv = config.num_key_value_heads * config.head_dim;
@@ -240,8 +242,8 @@ impl Attention {
         let names = [format!("{prefix}.q_proj"), format!("{prefix}.k_proj"), format!("{prefix}.v_proj")];
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         Ok(Self {
-            qkv_proj: FrozenLinear::load_stacked(source, &names, h, &[q, kv, kv], config.qkv_bias, device)?,
-            o_proj: FrozenLinear::load(source, &format!("{prefix}.o_proj"), q, h, config.o_bias, device)?,
+            qkv_proj: FrozenLinear::load_stacked(loader, &names, h, &[q, kv, kv], config.qkv_bias)?,
+            o_proj: FrozenLinear::load(loader, &format!("{prefix}.o_proj"), q, h, config.o_bias)?,
             q_norm: norm("q_norm")?,
             k_norm: norm("k_norm")?,
             num_heads: config.num_attention_heads,
@@ -311,13 +313,13 @@ fn repeat_kv(x: Tensor<4>, group: usize) -> Tensor<4> {
 }
 
 impl Mlp {
-    fn load(source: &dyn WeightSource, prefix: &str, config: &ModelConfig, device: &Device) -> Result<Self> {
+    fn load(loader: &WeightLoader<'_>, prefix: &str, config: &ModelConfig) -> Result<Self> {
         let (h, i, bias) = (config.hidden_size, config.intermediate_size, config.mlp_bias);
         let names = [format!("{prefix}.gate_proj"), format!("{prefix}.up_proj")];
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         Ok(Self {
-            gate_up_proj: FrozenLinear::load_stacked(source, &names, h, &[i, i], bias, device)?,
-            down_proj: FrozenLinear::load(source, &format!("{prefix}.down_proj"), i, h, bias, device)?,
+            gate_up_proj: FrozenLinear::load_stacked(loader, &names, h, &[i, i], bias)?,
+            down_proj: FrozenLinear::load(loader, &format!("{prefix}.down_proj"), i, h, bias)?,
         })
     }
 
@@ -336,8 +338,32 @@ impl CausalLm {
     /// Builds the model from `config` and the weights in `source` (Hugging Face tensor names),
     /// checking that every tensor exists with the shape the config implies.
     pub fn load(config: ModelConfig, source: &dyn WeightSource, device: &Device) -> Result<Self> {
+        Self::load_as(config, &WeightLoader { source, device, format: BaseFormat::F32 })
+    }
+
+    /// [`CausalLm::load`] in the form `loader.format` asks for: f32, or kept quantized (CPU only).
+    pub fn load_as(config: ModelConfig, loader: &WeightLoader<'_>) -> Result<Self> {
+        let (source, device) = (loader.source, loader.device);
         let (v, h) = (config.vocab_size, config.hidden_size);
-        let embed_tokens = source.load::<2>("model.embed_tokens.weight", [v, h], device)?;
+        let embedding_name = "model.embed_tokens.weight";
+        let head_name = if config.tie_word_embeddings { embedding_name } else { "lm_head.weight" };
+        let (embed_tokens, lm_head) = match loader.format {
+            BaseFormat::F32 => {
+                let embed_tokens = TokenEmbedding::Dense(source.load::<2>(embedding_name, [v, h], device)?);
+                (embed_tokens, FrozenLinear::load(loader, head_name.trim_end_matches(".weight"), h, v, false)?)
+            }
+            BaseFormat::Quantized => {
+                quant::check_device(device)?;
+                let table = QuantizedWeight::new(vec![loader.matrix_part(embedding_name, v, h)?]);
+                let head = if config.tie_word_embeddings {
+                    table.clone()
+                } else {
+                    QuantizedWeight::new(vec![loader.matrix_part(head_name, v, h)?])
+                };
+                let lm_head = FrozenLinear { weight: LinearWeight::Quantized(head), bias: None };
+                (TokenEmbedding::Quantized(table), lm_head)
+            }
+        };
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
                 let prefix = format!("model.layers.{i}");
@@ -349,7 +375,7 @@ impl CausalLm {
                         config.rms_norm_eps,
                         device,
                     )?,
-                    self_attn: Attention::load(source, &format!("{prefix}.self_attn"), &config, device)?,
+                    self_attn: Attention::load(loader, &format!("{prefix}.self_attn"), &config)?,
                     post_attention_layernorm: RmsNorm::load(
                         source,
                         &format!("{prefix}.post_attention_layernorm"),
@@ -357,16 +383,49 @@ impl CausalLm {
                         config.rms_norm_eps,
                         device,
                     )?,
-                    mlp: Mlp::load(source, &format!("{prefix}.mlp"), &config, device)?,
+                    mlp: Mlp::load(loader, &format!("{prefix}.mlp"), &config)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(source, "model.norm", h, config.rms_norm_eps, device)?;
-        let head_name = if config.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-        let head = source.read(head_name, &[v, h])?;
-        let lm_head_t = Tensor::from_data(TensorData::new(transpose_host(&head.values, v, h), [h, v]), device);
         let rope = RotaryEmbedding::new(config.head_dim, config.rope_theta, config.max_position_embeddings, device);
-        Ok(Self { config, embed_tokens, layers, norm, lm_head_t, rope, device: device.clone() })
+        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope, device: device.clone() })
+    }
+
+    /// Bytes the weights take in memory (matrices in f32 or in their kept block formats; a tied
+    /// LM head counted once when it shares the embedding's blocks, twice in f32 where troupe
+    /// keeps a transposed copy).
+    pub fn weight_bytes(&self) -> usize {
+        let norm = |n: &RmsNorm| 4 * n.weight.dims()[0];
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                let attn = &l.self_attn;
+                attn.qkv_proj.bytes()
+                    + attn.o_proj.bytes()
+                    + attn.q_norm.as_ref().map_or(0, norm)
+                    + attn.k_norm.as_ref().map_or(0, norm)
+                    + norm(&l.input_layernorm)
+                    + norm(&l.post_attention_layernorm)
+                    + l.mlp.gate_up_proj.bytes()
+                    + l.mlp.down_proj.bytes()
+            })
+            .sum();
+        let shared_head = matches!(
+            (&self.embed_tokens, &self.lm_head.weight),
+            (TokenEmbedding::Quantized(_), LinearWeight::Quantized(_))
+        ) && self.config.tie_word_embeddings;
+        let head = if shared_head { 0 } else { self.lm_head.bytes() };
+        self.embed_tokens.bytes() + layers + norm(&self.norm) + head
+    }
+
+    /// Whether the base is kept quantized.
+    pub fn format(&self) -> BaseFormat {
+        match self.lm_head.weight {
+            LinearWeight::Dense(_) => BaseFormat::F32,
+            LinearWeight::Quantized(_) => BaseFormat::Quantized,
+        }
     }
 
     /// The device the weights live on.
@@ -418,7 +477,7 @@ impl CausalLm {
             ));
         }
         let (cos, sin) = self.rope.tables(&args.layout.positions);
-        let mut x = embedding(self.embed_tokens.clone(), tokens);
+        let mut x = self.embed_tokens.forward(tokens);
         for (i, layer) in self.layers.iter().enumerate() {
             let attended =
                 layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), i, (&cos, &sin), &mut args);
@@ -435,7 +494,7 @@ impl CausalLm {
     /// `hidden`: `[batch, seq, hidden]` -> `[batch, seq, vocab]`
     pub fn logits(&self, hidden: Tensor<3>) -> Tensor<3> {
         let [batch, seq, h] = hidden.dims();
-        hidden.reshape([batch * seq, h]).matmul(self.lm_head_t.clone()).reshape([batch, seq, self.config.vocab_size])
+        self.lm_head.forward_2d(hidden.reshape([batch * seq, h])).reshape([batch, seq, self.config.vocab_size])
     }
 
     /// Full forward: logits at every position.

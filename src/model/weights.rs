@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use burn::tensor::{Device, Tensor};
 
+use super::gguf::BlockMatrix;
 use super::safetensors_io::{HostTensor, TensorStore};
 use crate::error::{Result, TroupeError};
 
@@ -13,6 +14,13 @@ use crate::error::{Result, TroupeError};
 pub trait WeightSource {
     /// Reads the tensor `name`, which must have shape `shape`.
     fn read(&self, name: &str, shape: &[usize]) -> Result<HostTensor>;
+
+    /// The matrix `name` (`[rows, cols]`) in the block format it is stored in, for a kept-quantized
+    /// base, or `None` when the source holds floats (then the base quantizes it itself).
+    fn read_blocks(&self, name: &str, rows: usize, cols: usize) -> Result<Option<BlockMatrix>> {
+        let _ = (name, rows, cols);
+        Ok(None)
+    }
 }
 
 impl dyn WeightSource + '_ {

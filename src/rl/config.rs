@@ -8,7 +8,7 @@
 //!
 //! ```yaml
 //! run:      {out_dir: runs/hanabi, seed: 0, iterations: 30, checkpoint_every: 5, log_every: 1}
-//! model:    {path: null, preset: tiny, seed: 0, device: cpu}
+//! model:    {path: null, preset: tiny, seed: 0, device: cpu, quantized: false}
 //! env:      {name: hanabi, players: 2}          # name + the environment's own parameters
 //! agents:   {num_agents: 2, seats: [0, 1], mode: per_agent}
 //! adapter:  {r: 8, lora_alpha: 16.0, target_modules: [q_proj, k_proj, v_proj, o_proj], lora_dropout: 0.0, use_rslora: false}
@@ -126,11 +126,14 @@ pub struct ModelSection {
     pub seed: u64,
     /// Compute device: `cpu`, or `cuda` / `cuda:N` with the `cuda` feature.
     pub device: String,
+    /// Keep the base's matrices quantized (a GGUF file's own block types, Q8_0 for float
+    /// weights) under the f32 adapters: a several times smaller base; CPU only.
+    pub quantized: bool,
 }
 
 impl Default for ModelSection {
     fn default() -> Self {
-        Self { path: None, preset: "tiny".to_string(), seed: 0, device: "cpu".to_string() }
+        Self { path: None, preset: "tiny".to_string(), seed: 0, device: "cpu".to_string(), quantized: false }
     }
 }
 

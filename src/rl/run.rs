@@ -25,7 +25,7 @@ use super::metrics::{truncate_to, IterationMetrics, MetricsWriter};
 use super::trainer::{MagrpoTrainer, TrainerState};
 use crate::adapters::{AdapterMode, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
-use crate::model::Model;
+use crate::model::{BaseFormat, Model};
 
 /// A run in progress: its directory, config, trainer and metrics file.
 pub struct TrainingRun {
@@ -45,14 +45,14 @@ pub struct TrainingRun {
 /// The model a config names: a Hugging Face directory, or the built-in preset.
 pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result<Model> {
     match &config.model.path {
-        Some(path) => Model::from_path(path, device),
+        Some(path) => Model::from_path_as(path, device, BaseFormat::from_flag(config.model.quantized)),
         None => {
             let preset = config.model.preset().map_err(|message| TroupeError::Config {
                 path: PathBuf::from(CONFIG_FILE),
                 key: "model.preset".into(),
                 message,
             })?;
-            Model::builtin(preset, config.model.seed, device)
+            Model::builtin_as(preset, config.model.seed, device, BaseFormat::from_flag(config.model.quantized))
         }
     }
 }

@@ -142,6 +142,7 @@ fn f16_at(bytes: &[u8], at: usize) -> f32 {
 /// # Panics
 /// If `bytes.len()` is not exactly the size of `out.len()` values of `ty` (callers check the
 /// sizes against the file first).
+#[inline]
 pub fn dequantize(ty: GgmlType, bytes: &[u8], out: &mut [f32]) {
     let expected = ty.bytes_for(out.len()).expect("a whole number of blocks");
     assert_eq!(bytes.len(), expected, "{} bytes for {} values of {}", bytes.len(), out.len(), ty.name());

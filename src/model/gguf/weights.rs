@@ -145,6 +145,10 @@ impl WeightSource for GgufWeights {
         }
         Ok(HostTensor { values, shape: shape.to_vec() })
     }
+
+    fn read_blocks(&self, name: &str, rows: usize, cols: usize) -> Result<Option<BlockMatrix>> {
+        GgufWeights::read_blocks(self, name, rows, cols).map(Some)
+    }
 }
 
 #[cfg(test)]
