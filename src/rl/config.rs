@@ -257,15 +257,16 @@ pub struct ActionSection {
 
 impl Default for ActionSection {
     fn default() -> Self {
+        let sampling = SamplingConfig::default();
         Self {
             mode: ActionMode::Free,
             invalid_penalty: -1.0,
             fallback: Fallback::Random,
             max_retries: 1,
             max_new_tokens: 16,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
+            temperature: f64::from(sampling.temperature),
+            top_p: f64::from(sampling.top_p),
+            top_k: sampling.top_k,
             chat_template: true,
             choice_score: ChoiceScore::Sum,
         }
