@@ -455,10 +455,26 @@ fn schema() -> Schema {
 /// Moves every [`MOVED_KEYS`] entry of `tree` to its new place (the new key wins when both
 /// are given), warning once per key.
 fn migrate_moved_keys(tree: &mut Yaml, origin: &Path) {
+    move_keys(tree, Some(origin));
+}
+
+/// A config recorded by an earlier version (`tree`, as JSON) read as this version reads it: moved
+/// keys in their new places and every key it did not have at its default, which is what that
+/// version did. `None` when it does not parse as a config.
+pub(crate) fn upgrade_recorded(tree: &serde_json::Value) -> Option<TrainConfig> {
+    let mut tree: Yaml = serde_yaml::to_value(tree).ok()?;
+    move_keys(&mut tree, None);
+    serde_yaml::from_value(tree).ok()
+}
+
+/// [`migrate_moved_keys`], warning (naming `origin`) only when `origin` is given.
+fn move_keys(tree: &mut Yaml, origin: Option<&Path>) {
     for (old, new) in MOVED_KEYS {
         let Some(Yaml::Mapping(section)) = tree.get_mut(old[0]) else { continue };
         let Some(value) = section.remove(old[1]) else { continue };
-        tracing::warn!("{}: `{}` is now `{}`; read as such", origin.display(), old.join("."), new.join("."));
+        if let Some(origin) = origin {
+            tracing::warn!("{}: `{}` is now `{}`; read as such", origin.display(), old.join("."), new.join("."));
+        }
         let Yaml::Mapping(root) = tree else { continue };
         let target = root.entry(Yaml::String(new[0].to_string())).or_insert_with(|| Yaml::Mapping(Mapping::new()));
         if target.is_null() {

@@ -69,8 +69,15 @@ pub fn check_resume(config: &TrainConfig, run_dir: &Path) -> Result<()> {
         }
         Err(err) => return Err(TroupeError::io(&path, err)),
     };
-    let reference: Value =
+    let recorded: Value =
         serde_json::from_slice(&text).map_err(|e| TroupeError::Json { path: path.clone(), message: e.to_string() })?;
+    // A reference an earlier version recorded is read as this version reads configs (moved keys
+    // in their new places, keys it did not have at the defaults it behaved by), so only real
+    // edits remain; one that does not parse is compared as recorded.
+    let reference = match super::config::upgrade_recorded(&recorded) {
+        Some(upgraded) => serde_json::to_value(upgraded).unwrap_or(recorded),
+        None => recorded,
+    };
     let current =
         serde_json::to_value(config).map_err(|e| TroupeError::Json { path: path.clone(), message: e.to_string() })?;
     let refused: Vec<String> = differences(&reference, &current)
@@ -96,6 +103,27 @@ pub fn check_resume(config: &TrainConfig, run_dir: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reference_from_before_the_runtime_section_and_objectives_shows_no_edit() {
+        // As the version before `runtime:` and `training.objective` recorded the defaults.
+        let mut old = serde_json::to_value(TrainConfig::default()).unwrap();
+        let training = old["training"].as_object_mut().unwrap();
+        for key in ["objective", "group_by", "kl_estimator"] {
+            training.remove(key);
+        }
+        training.insert("micro_batch_rows".into(), Value::from(16));
+        old.as_object_mut().unwrap().remove("runtime");
+        old["eval"].as_object_mut().unwrap().insert("batch_episodes".into(), Value::from(64));
+        let upgraded = serde_json::to_value(super::super::config::upgrade_recorded(&old).unwrap()).unwrap();
+        let current = serde_json::to_value(TrainConfig::default()).unwrap();
+        assert_eq!(differences(&upgraded, &current), vec![]);
+        // A real edit still shows.
+        old["training"]["micro_batch_rows"] = Value::from(8);
+        let upgraded = serde_json::to_value(super::super::config::upgrade_recorded(&old).unwrap()).unwrap();
+        let keys: Vec<String> = differences(&upgraded, &current).into_iter().map(|(k, _, _)| k).collect();
+        assert_eq!(keys, vec!["runtime.micro_batch_rows".to_string()]);
+    }
 
     #[test]
     fn differences_name_nested_keys_and_both_values() {
