@@ -227,6 +227,16 @@ pub struct LossStats {
     pub ratio_units: usize,
 }
 
+impl LossStats {
+    /// Adds `other`'s counts and sums to these.
+    pub fn add(&mut self, other: &LossStats) {
+        self.kl_sum += other.kl_sum;
+        self.kl_units += other.kl_units;
+        self.clipped_units += other.clipped_units;
+        self.ratio_units += other.ratio_units;
+    }
+}
+
 /// An objective ready to compute losses: its config and the KL penalty.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Objective {

@@ -408,14 +408,17 @@ impl MagrpoTrainer {
         let credit_started = Instant::now();
         let (mut batch, shaped) = self.credit(&groups)?;
         let objective = self.objective();
+        // The KL reference is one more forward over the batch, once however many epochs follow.
+        let mut update_flops = 0.0;
         if objective.kl.coef > 0.0 {
             self.scorer().attach_reference(&mut batch)?;
+            update_flops += self.scorer().forward_flops(&batch);
         }
         let credit_seconds = credit_started.elapsed().as_secs_f64();
 
         let lr = self.learning_rate(iteration);
         let place = format!("iteration {iteration}");
-        let (mut update_seconds, mut optimizer_seconds, mut update_flops) = (0.0, 0.0, 0.0);
+        let (mut update_seconds, mut optimizer_seconds) = (0.0, 0.0);
         let mut first = None;
         let mut stats = super::objective::LossStats::default();
         for epoch in 0..objective.config.epochs() {
@@ -425,10 +428,7 @@ impl MagrpoTrainer {
             let pass = self.scorer().gradients(&batch, &objective, seed).map_err(|e| label_non_finite(e, &place))?;
             update_seconds += update_started.elapsed().as_secs_f64();
             update_flops += pass.flops;
-            stats.kl_sum += pass.stats.kl_sum;
-            stats.kl_units += pass.stats.kl_units;
-            stats.clipped_units += pass.stats.clipped_units;
-            stats.ratio_units += pass.stats.ratio_units;
+            stats.add(&pass.stats);
             let optimizer_started = Instant::now();
             let grad_norm =
                 self.optimizers.step(&mut self.manager, pass.grads, lr).map_err(|e| label_non_finite(e, &place))?;

@@ -125,7 +125,7 @@ impl Scorer<'_> {
             units_per_agent: units_per_agent.clone(),
         };
         // Forward, then a backward of twice its work.
-        pass.flops = 3.0 * batch.rows.iter().map(|r| self.row_flops(r)).sum::<f64>();
+        pass.flops = 3.0 * self.forward_flops(batch);
         let (replies, choices) = self.chunks(batch);
         for (chunk_index, chunk) in replies.iter().enumerate() {
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
@@ -160,11 +160,8 @@ impl Scorer<'_> {
             let reference = with_reference.then(|| {
                 Tensor::<2>::from_data(TensorData::new(reference, [chunk.len(), positions]), &logprobs.device())
             });
-            if with_reference {
-                pass.flops += chunk.iter().map(|r| self.row_flops(r)).sum::<f64>();
-            }
             let (loss, stats) = objective.token_loss(logprobs, &terms, reference)?;
-            add_stats(&mut pass.stats, &stats);
+            pass.stats.add(&stats);
             accumulate(&mut pass, loss, &used)?;
         }
         for (chunk_index, chunk) in choices.iter().enumerate() {
@@ -194,12 +191,9 @@ impl Scorer<'_> {
                 }
                 Tensor::<2>::from_data(TensorData::new(values, [chunk.len(), width]), &device)
             });
-            if with_reference {
-                pass.flops += chunk.iter().map(|r| self.row_flops(r)).sum::<f64>();
-            }
             let (loss, stats) =
                 objective.choice_loss(log_policy, chosen_indices(&chosen, &device), &terms, reference)?;
-            add_stats(&mut pass.stats, &stats);
+            pass.stats.add(&stats);
             accumulate(&mut pass, loss, &used)?;
         }
         Ok(pass)
@@ -224,6 +218,12 @@ impl Scorer<'_> {
         }
     }
 
+    /// Forward FLOPs of scoring every row of `batch` once (what [`Scorer::attach_reference`]
+    /// costs; a gradient pass costs three times as much).
+    pub fn forward_flops(&self, batch: &TrainBatch) -> f64 {
+        batch.rows.iter().map(|r| self.row_flops(r)).sum()
+    }
+
     /// Forward FLOPs of scoring one row.
     fn row_flops(&self, row: &TrainRow) -> f64 {
         let model = FlopModel::new(&self.model.lm.config);
@@ -242,13 +242,6 @@ fn decisions<'b>(chunk: &[&'b TrainRow]) -> Vec<(&'b [u32], &'b [Vec<u32>])> {
         .iter()
         .map(|r| (&r.tokens[..r.prompt_len], r.choice.as_ref().map_or(&[][..], |c| c.candidates.as_slice())))
         .collect()
-}
-
-fn add_stats(total: &mut LossStats, part: &LossStats) {
-    total.kl_sum += part.kl_sum;
-    total.kl_units += part.kl_units;
-    total.clipped_units += part.clipped_units;
-    total.ratio_units += part.ratio_units;
 }
 
 /// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums.
