@@ -13,7 +13,7 @@ use troupe::adapters::{AdapterConfig, MultiAdapterManager};
 use troupe::generate::choice::ChoiceScore;
 use troupe::generate::SamplingConfig;
 use troupe::model::{Model, Preset};
-use troupe::rl::rollout::{run_episodes, ActionMode, Fallback, RolloutConfig};
+use troupe::rl::rollout::{episode_rngs, run_episodes, ActionMode, Fallback, RolloutConfig};
 use troupe_envs::batch::{reset_all, step_all};
 use troupe_envs::{Action, Environment, Registry};
 
@@ -126,8 +126,8 @@ fn rollouts_through_the_protocol_equal_rollouts_in_process() {
     let params = json!({"players": 2, "observation": "compact", "history_moves": 1});
     let seeds = [11, 11, 12, 12];
     let play = |envs: &mut Vec<Box<dyn Environment>>| {
-        let mut rng = ChaCha8Rng::seed_from_u64(9);
-        let records = run_episodes(&model, &manager, envs, &seeds, &[0, 1], &config, &mut rng).unwrap();
+        let mut rngs = episode_rngs(9, 0, seeds.len());
+        let records = run_episodes(&model, &manager, envs, &seeds, &[0, 1], &config, &mut rngs).unwrap();
         format!("{records:?}")
     };
     let mut local: Vec<Box<dyn Environment>> =
@@ -440,8 +440,8 @@ fn an_environment_that_refuses_its_own_legal_action_stops_the_rollout_with_a_nam
     );
     let mut envs = vec![scripted(&script).unwrap()];
     let config = choice_rollout(4);
-    let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let err = run_episodes(&model, &manager, &mut envs, &[42], &[0], &config, &mut rng).unwrap_err().to_string();
+    let mut rngs = episode_rngs(0, 0, 1);
+    let err = run_episodes(&model, &manager, &mut envs, &[42], &[0], &config, &mut rngs).unwrap_err().to_string();
     assert!(
         err.contains("toy: refused the joint action [action 0] at step 0 of the episode with seed 42")
             && err.contains("the table is closed"),

@@ -14,7 +14,7 @@ use troupe_envs::Registry;
 /// A 2-player Hanabi config small enough for tests, writing to `out_dir`.
 fn config(out_dir: &Path, iterations: usize, checkpoint_every: usize, extra: &[&str]) -> TrainConfig {
     let yaml = format!(
-        "run: {{out_dir: {out}, seed: 7, iterations: {iterations}, checkpoint_every: {checkpoint_every}}}\n\
+        "run: {{out_dir: {out}, seed: 11, iterations: {iterations}, checkpoint_every: {checkpoint_every}}}\n\
          env: {{name: hanabi, players: 2, history_moves: 1}}\n\
          adapter: {{r: 4, lora_alpha: 8.0}}\n\
          action: {{mode: free, max_new_tokens: 4, chat_template: false}}\n\

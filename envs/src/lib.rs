@@ -26,7 +26,7 @@ pub mod writing;
 
 pub use environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
 pub use error::{ActionError, EnvError, SandboxError};
-pub use registry::{parse_params, Registry, RewardFn, RewardInput};
+pub use registry::{parse_params, BatchRewardFn, RegisteredReward, Registry, RewardFn, RewardInput, RewardItem};
 
 /// Registers every environment and baseline policy this crate ships into `registry`.
 pub fn register_builtins(registry: &mut Registry) {

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::environment::{Environment, EpisodeMetrics, SeatId};
@@ -43,11 +44,40 @@ pub struct RewardInput<'a> {
 /// A reward function a plug-in registers: one number for one seat of one episode.
 pub type RewardFn = Arc<dyn Fn(&RewardInput<'_>) -> f64 + Send + Sync>;
 
+/// What a batch reward function (and an external one) is told about one finished episode.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RewardItem {
+    /// The episode's seed.
+    pub seed: u64,
+    /// Per seat: its agent's replies, in order.
+    pub completions: Vec<Vec<String>>,
+    /// Per seat: the prompt of each reply.
+    pub prompts: Vec<Vec<String>>,
+    /// Per seat: its environment return.
+    pub returns: Vec<f64>,
+    /// The episode's metrics.
+    pub metrics: EpisodeMetrics,
+}
+
+/// A reward function called once per iteration with every episode: for each episode, either
+/// one value (every seat gets it) or one value per seat. An `Err` names what went wrong; the
+/// trainer reports it with the function's name.
+pub type BatchRewardFn = Arc<dyn Fn(&[RewardItem]) -> Result<Vec<Vec<f64>>, String> + Send + Sync>;
+
+/// A registered reward function: called per seat, or once per iteration with every episode.
+#[derive(Clone)]
+pub enum RegisteredReward {
+    /// One number for one seat of one episode ([`Registry::register_reward`]).
+    Seat(RewardFn),
+    /// Every episode at once ([`Registry::register_batch_reward`]).
+    Batch(BatchRewardFn),
+}
+
 /// One registered reward function.
 #[derive(Clone)]
 struct RewardEntry {
     description: String,
-    function: RewardFn,
+    function: RegisteredReward,
 }
 
 /// Builds a fresh baseline policy.
@@ -125,13 +155,32 @@ impl Registry {
     {
         self.rewards.insert(
             name.to_string(),
-            RewardEntry { description: description.to_string(), function: Arc::new(function) },
+            RewardEntry { description: description.to_string(), function: RegisteredReward::Seat(Arc::new(function)) },
         );
     }
 
+    /// Registers (or replaces) a reward function under `name` that scores every episode of an
+    /// iteration in one call (what a Python function over lists of completions wants); configs
+    /// list it as any other.
+    pub fn register_batch_reward<F>(&mut self, name: &str, description: &str, function: F)
+    where
+        F: Fn(&[RewardItem]) -> Result<Vec<Vec<f64>>, String> + Send + Sync + 'static,
+    {
+        self.rewards.insert(
+            name.to_string(),
+            RewardEntry { description: description.to_string(), function: RegisteredReward::Batch(Arc::new(function)) },
+        );
+    }
+
+    /// Registers (or replaces) an environment under `name` built by `constructor`, which is
+    /// already shared (a binding that holds one constructor for several registries).
+    pub fn register_shared(&mut self, name: &str, description: &str, constructor: Constructor) {
+        self.entries.insert(name.to_string(), RegistryEntry { description: description.to_string(), constructor });
+    }
+
     /// The registered reward function `name`, if any.
-    pub fn reward(&self, name: &str) -> Option<RewardFn> {
-        self.rewards.get(name).map(|entry| Arc::clone(&entry.function))
+    pub fn reward(&self, name: &str) -> Option<RegisteredReward> {
+        self.rewards.get(name).map(|entry| entry.function.clone())
     }
 
     /// The registered reward functions with their descriptions, sorted by name.

@@ -120,6 +120,29 @@ pub fn generate_constrained(
     options: &GenerateOptions,
     delta: Option<&dyn ProjectionDelta>,
 ) -> Result<Vec<Generation>> {
+    generate_rows(lm, eos_token_ids, prompts, constraints, options, &[], delta)
+}
+
+/// [`generate_constrained`] where every row samples from its own generator, seeded with
+/// `row_seeds[row]` (one seed per prompt; `options.seed` is not used): a row's tokens then
+/// depend only on its prompt, its adapter and its seed, never on which other rows share the
+/// batch, so work split across processes samples what one batch would. An empty `row_seeds` is
+/// [`generate_constrained`] (one generator for the batch, seeded with `options.seed`).
+pub fn generate_rows(
+    lm: &CausalLm,
+    eos_token_ids: &[u32],
+    prompts: &[Vec<u32>],
+    constraints: &[Option<&TokenTrie>],
+    options: &GenerateOptions,
+    row_seeds: &[u64],
+    delta: Option<&dyn ProjectionDelta>,
+) -> Result<Vec<Generation>> {
+    if !row_seeds.is_empty() && row_seeds.len() != prompts.len() {
+        return Err(TroupeError::invalid(
+            "row_seeds",
+            format!("{} seeds for {} prompts: give none or one per prompt", row_seeds.len(), prompts.len()),
+        ));
+    }
     if prompts.is_empty() || prompts.iter().any(Vec::is_empty) {
         return Err(TroupeError::invalid("prompts", "every prompt needs at least one token"));
     }
@@ -139,7 +162,13 @@ pub fn generate_constrained(
     let constraint = |row: usize| constraints.get(row).copied().flatten();
     let device = lm.device().clone();
     let batch = prompts.len();
-    let mut rng = ChaCha8Rng::seed_from_u64(options.seed);
+    // One generator for the batch, or one per row.
+    let shared_rng = row_seeds.is_empty();
+    let mut rngs: Vec<ChaCha8Rng> = if shared_rng {
+        vec![ChaCha8Rng::seed_from_u64(options.seed)]
+    } else {
+        row_seeds.iter().map(|&seed| ChaCha8Rng::seed_from_u64(seed)).collect()
+    };
     let (padded, valid) = left_pad(prompts, 0);
     let mut outputs: Vec<Generation> =
         vec![
@@ -176,10 +205,11 @@ pub fn generate_constrained(
         step_tokens = Vec::with_capacity(batch);
         step_valid = Vec::with_capacity(batch);
         for (row, logits) in rows.iter().enumerate() {
+            let rng = &mut rngs[if shared_rng { 0 } else { row }];
             let (token, real) = if done[row] {
                 (0, false)
             } else if let Some(trie) = constraint(row) {
-                let token = trie.pick(nodes[row], logits, &options.sampling, &mut rng);
+                let token = trie.pick(nodes[row], logits, &options.sampling, rng);
                 let out = &mut outputs[row];
                 out.output_ids.push(token);
                 out.logprobs.push(token_logprob(logits, token));
@@ -193,7 +223,7 @@ pub fn generate_constrained(
                 }
                 (token, true)
             } else {
-                let token = sampler::sample(logits, &options.sampling, &mut rng);
+                let token = sampler::sample(logits, &options.sampling, rng);
                 let out = &mut outputs[row];
                 out.output_ids.push(token);
                 out.logprobs.push(token_logprob(logits, token));

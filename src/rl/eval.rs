@@ -13,7 +13,7 @@ use troupe_envs::{Registry, SeatId};
 use super::advantage::mean_std;
 use super::config::{ActionMode, TrainConfig};
 use super::protocol_writer::run_protocol;
-use super::rollout::{make_env, run_episodes_with_baselines, EpisodeRecord};
+use super::rollout::{episode_rngs, make_env, run_episodes_with_baselines, EpisodeRecord};
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
@@ -105,10 +105,11 @@ pub fn evaluate(
     }
     let rollout = config.eval_rollout_config();
     let spec = config.eval_env_spec();
-    let mut rng = ChaCha8Rng::seed_from_u64(config.eval.seed);
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
     for chunk in seeds.chunks(config.runtime.eval_batch_episodes.max(1)) {
+        // Episode i draws from its own stream: the scores do not depend on the batch size.
+        let mut rngs = episode_rngs(config.eval.seed, records.len(), chunk.len());
         let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
         records.extend(run_episodes_with_baselines(
             model,
@@ -118,7 +119,7 @@ pub fn evaluate(
             &config.agents.seats,
             &mut baselines,
             &rollout,
-            &mut rng,
+            &mut rngs,
         )?);
     }
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
@@ -150,6 +151,7 @@ pub fn evaluate(
     let protocols = if is_coding_task(probe.as_ref()) {
         let setup = ProtocolSetup { env_spec: &spec, registry, seeds: &seeds, seat_agents: &config.agents.seats };
         let mut summaries = Vec::with_capacity(CodingProtocol::ALL.len());
+        let mut rng = ChaCha8Rng::seed_from_u64(config.eval.seed);
         for protocol in CodingProtocol::ALL {
             summaries.push(run_protocol(model, manager, &setup, protocol, &rollout, &mut rng)?);
         }

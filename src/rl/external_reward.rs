@@ -14,10 +14,8 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use serde::Serialize;
 use serde_json::{Map, Value};
 use troupe_envs::external::process::{CallError, Process};
-use troupe_envs::EpisodeMetrics;
 
 use super::rewards::RewardPipeline;
 use crate::error::{Result, TroupeError};
@@ -25,20 +23,8 @@ use crate::error::{Result, TroupeError};
 /// The default time limit of one `score` exchange, in seconds.
 const DEFAULT_TIMEOUT_S: f64 = 60.0;
 
-/// What a reward function is told about one episode.
-#[derive(Clone, Debug, Serialize)]
-pub struct RewardItem {
-    /// The episode's seed.
-    pub seed: u64,
-    /// Per seat: its agent's replies, in order.
-    pub completions: Vec<Vec<String>>,
-    /// Per seat: the prompt of each reply.
-    pub prompts: Vec<Vec<String>>,
-    /// Per seat: its environment return.
-    pub returns: Vec<f64>,
-    /// The episode's metrics.
-    pub metrics: EpisodeMetrics,
-}
+/// What a reward function is told about one episode (shared with registered batch functions).
+pub use troupe_envs::RewardItem;
 
 /// The running processes of a pipeline's external reward functions, in the order listed.
 pub struct ExternalRewards {

@@ -9,7 +9,7 @@
 //!   ([`crate::generate::generate_constrained`]); never invalid, needs a finite action set.
 //! - `choice`: score every legal action's text by its log-likelihood and sample one.
 
-use rand::Rng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -20,7 +20,7 @@ use troupe_envs::{Action, ActionError, Environment, LegalAction, Registry, SeatI
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
 use crate::generate::choice::{score_choices, ChoiceScore};
-use crate::generate::{generate, generate_constrained, GenerateOptions, SamplingConfig, TokenTrie};
+use crate::generate::{generate_rows, GenerateOptions, SamplingConfig, TokenTrie};
 use crate::model::{ChatMessage, Model, ProjectionDelta};
 
 /// How agents' text becomes actions.
@@ -86,7 +86,7 @@ pub struct RolloutConfig {
 }
 
 /// One agent reply that went into the environment.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Turn {
     /// The seat that acted.
     pub seat: SeatId,
@@ -116,7 +116,7 @@ pub struct Turn {
 }
 
 /// A `choice`-mode decision: the legal actions' token sequences and the one sampled.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChoiceTurn {
     /// Each legal action's tokens, in the environment's order.
     pub candidates: Vec<Vec<u32>>,
@@ -127,7 +127,7 @@ pub struct ChoiceTurn {
 }
 
 /// A finished episode.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct EpisodeRecord {
     /// The seed it was reset with.
     pub seed: u64,
@@ -213,7 +213,9 @@ struct Decided {
 
 /// Runs one episode per environment in `envs` (reset with `seeds[i]`) to the end, batching
 /// every acting seat of every live episode into one generation per step. `seat_agents[s]` is
-/// the agent of seat `s`. `rng` drives sampling and fallbacks.
+/// the agent of seat `s`. `rngs[i]` drives episode `i`'s sampling and fallbacks (one generator
+/// per episode, see [`episode_rngs`]): an episode's replies do not depend on which other
+/// episodes share its batches, so episodes split across processes play as in one batch.
 pub fn run_episodes(
     model: &Model,
     manager: &MultiAdapterManager,
@@ -221,9 +223,22 @@ pub fn run_episodes(
     seeds: &[u64],
     seat_agents: &[usize],
     config: &RolloutConfig,
-    rng: &mut ChaCha8Rng,
+    rngs: &mut [ChaCha8Rng],
 ) -> Result<Vec<EpisodeRecord>> {
-    run_episodes_with_baselines(model, manager, envs, seeds, seat_agents, &mut BTreeMap::new(), config, rng)
+    run_episodes_with_baselines(model, manager, envs, seeds, seat_agents, &mut BTreeMap::new(), config, rngs)
+}
+
+/// The generators of episodes `first..first + count` of a batch seeded with `seed`: one
+/// `ChaCha8Rng` stream per episode index, so episode `i` draws the same numbers whether it is
+/// played alone, in a slice, or with the whole batch.
+pub fn episode_rngs(seed: u64, first: usize, count: usize) -> Vec<ChaCha8Rng> {
+    (first..first + count)
+        .map(|index| {
+            let mut rng = ChaCha8Rng::seed_from_u64(seed);
+            rng.set_stream(index as u64);
+            rng
+        })
+        .collect()
 }
 
 /// [`run_episodes`] with some seats played by baseline policies (`baselines[seat]`) instead of
@@ -238,10 +253,13 @@ pub fn run_episodes_with_baselines(
     seat_agents: &[usize],
     baselines: &mut BTreeMap<SeatId, Box<dyn Policy>>,
     config: &RolloutConfig,
-    rng: &mut ChaCha8Rng,
+    rngs: &mut [ChaCha8Rng],
 ) -> Result<Vec<EpisodeRecord>> {
     if envs.len() != seeds.len() {
         return Err(TroupeError::invalid("seeds", "one seed per environment"));
+    }
+    if envs.len() != rngs.len() {
+        return Err(TroupeError::invalid("rngs", "one random generator per environment"));
     }
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(envs.len());
     troupe_envs::batch::reset_all(envs, seeds)?;
@@ -272,7 +290,7 @@ pub fn run_episodes_with_baselines(
             for seat in env.acting_seats() {
                 if let Some(policy) = baselines.get_mut(&seat) {
                     let action = policy
-                        .act(env.as_ref(), seat, rng)
+                        .act(env.as_ref(), seat, &mut rngs[i])
                         .map_err(|e| TroupeError::setting(format!("eval.baseline_seats.{seat}"), e.to_string()))?;
                     sources.push(Source::Baseline(action));
                     continue;
@@ -295,9 +313,9 @@ pub fn run_episodes_with_baselines(
         }
         let decided = match config.mode {
             _ if pending.is_empty() => Vec::new(),
-            ActionMode::Free => decide_free(model, manager, envs, &pending, config, rng)?,
-            ActionMode::Constrained => decide_constrained(model, manager, envs, &pending, config, rng)?,
-            ActionMode::Choice => decide_choice(model, manager, envs, &pending, config, rng)?,
+            ActionMode::Free => decide_free(model, manager, envs, &pending, config, rngs)?,
+            ActionMode::Constrained => decide_constrained(model, manager, envs, &pending, config, rngs)?,
+            ActionMode::Choice => decide_choice(model, manager, envs, &pending, config, rngs)?,
         };
         // Every live episode's joint action, stepped together (an external environment's
         // episodes in one exchange).
@@ -384,16 +402,22 @@ fn random_legal(env: &dyn Environment, seat: SeatId, rng: &mut ChaCha8Rng) -> Op
     (!ids.is_empty()).then(|| Action::Id(ids[rng.random_range(0..ids.len())]))
 }
 
-/// Generation options for one batched reply: the config's sampling and length, a fresh seed
-/// drawn from `rng`, stopping at EOS, with the KV cache.
-fn reply_options(config: &RolloutConfig, rng: &mut ChaCha8Rng) -> GenerateOptions {
+/// Generation options for one batched reply: the config's sampling and length, stopping at EOS,
+/// with the KV cache (each row's seed is drawn apart, [`row_seeds`]).
+fn reply_options(config: &RolloutConfig) -> GenerateOptions {
     GenerateOptions {
         max_new_tokens: config.max_new_tokens,
         sampling: config.sampling.clone(),
-        seed: rng.random(),
+        seed: 0,
         stop_at_eos: true,
         use_cache: true,
     }
+}
+
+/// A fresh sampling seed for each of `rows` (indices into `pending`), drawn from its episode's
+/// generator.
+fn row_seeds(pending: &[Pending], rows: impl Iterator<Item = usize>, rngs: &mut [ChaCha8Rng]) -> Vec<u64> {
+    rows.map(|r| rngs[pending[r].episode].random()).collect()
 }
 
 /// `free` mode: one batched generation for all rows; invalid replies handled per the fallback.
@@ -403,7 +427,7 @@ fn decide_free(
     envs: &[Box<dyn Environment>],
     pending: &[Pending],
     config: &RolloutConfig,
-    rng: &mut ChaCha8Rng,
+    rngs: &mut [ChaCha8Rng],
 ) -> Result<Vec<Decided>> {
     let mut prompts: Vec<Vec<u32>> = pending.iter().map(|p| p.prompt_ids.clone()).collect();
     let mut decided: Vec<Option<Decided>> = (0..pending.len()).map(|_| None).collect();
@@ -412,13 +436,16 @@ fn decide_free(
     for attempt in 0..=retries {
         let rows: Vec<Option<usize>> = todo.iter().map(|&r| Some(pending[r].agent)).collect();
         let (delta, _) = manager.mixed(&rows, false)?;
-        let options = reply_options(config, rng);
+        let options = reply_options(config);
+        let seeds = row_seeds(pending, todo.iter().copied(), rngs);
         let batch: Vec<Vec<u32>> = todo.iter().map(|&r| prompts[r].clone()).collect();
-        let outputs = generate(
+        let outputs = generate_rows(
             &model.lm,
             &model.tokenizer.eos_token_ids,
             &batch,
+            &[],
             &options,
+            &seeds,
             Some(&delta as &dyn ProjectionDelta),
         )?;
         let mut still = Vec::new();
@@ -449,7 +476,9 @@ fn decide_free(
                 Err(_) => {
                     let action = match config.fallback {
                         Fallback::EndEpisode => None,
-                        Fallback::Random | Fallback::Retry => random_legal(envs[p.episode].as_ref(), p.seat, rng),
+                        Fallback::Random | Fallback::Retry => {
+                            random_legal(envs[p.episode].as_ref(), p.seat, &mut rngs[p.episode])
+                        }
                     };
                     decided[r] = Some(Decided {
                         action,
@@ -505,7 +534,7 @@ fn decide_constrained(
     envs: &[Box<dyn Environment>],
     pending: &[Pending],
     config: &RolloutConfig,
-    rng: &mut ChaCha8Rng,
+    rngs: &mut [ChaCha8Rng],
 ) -> Result<Vec<Decided>> {
     let eos = model.tokenizer.eos_token_ids.first().copied();
     let mut legal_ids = Vec::with_capacity(pending.len());
@@ -523,15 +552,17 @@ fn decide_constrained(
     }
     let agents: Vec<Option<usize>> = pending.iter().map(|p| Some(p.agent)).collect();
     let (delta, _) = manager.mixed(&agents, false)?;
-    let options = reply_options(config, rng);
+    let options = reply_options(config);
+    let seeds = row_seeds(pending, 0..pending.len(), rngs);
     let prompts: Vec<Vec<u32>> = pending.iter().map(|p| p.prompt_ids.clone()).collect();
     let constraints: Vec<Option<&TokenTrie>> = tries.iter().map(Some).collect();
-    let outputs = generate_constrained(
+    let outputs = generate_rows(
         &model.lm,
         &model.tokenizer.eos_token_ids,
         &prompts,
         &constraints,
         &options,
+        &seeds,
         Some(&delta as &dyn ProjectionDelta),
     )?;
     Ok(outputs
@@ -562,7 +593,7 @@ fn decide_choice(
     envs: &[Box<dyn Environment>],
     pending: &[Pending],
     config: &RolloutConfig,
-    rng: &mut ChaCha8Rng,
+    rngs: &mut [ChaCha8Rng],
 ) -> Result<Vec<Decided>> {
     let mut candidates: Vec<Vec<(u32, Vec<u32>)>> = Vec::with_capacity(pending.len());
     for p in pending {
@@ -582,8 +613,8 @@ fn decide_choice(
     let scores = score_choices(&model.lm, &decisions, config.choice_score, Some(&delta as &dyn ProjectionDelta))?;
     let temperature = config.sampling.temperature;
     let mut decided = Vec::with_capacity(pending.len());
-    for ((list, tokens), likelihoods) in candidates.into_iter().zip(token_lists).zip(scores) {
-        let pick = sample_choice(&likelihoods, temperature, rng);
+    for (((list, tokens), likelihoods), p) in candidates.into_iter().zip(token_lists).zip(scores).zip(pending) {
+        let pick = sample_choice(&likelihoods, temperature, &mut rngs[p.episode]);
         let entropy = choice_entropy(&likelihoods, temperature);
         decided.push(Decided {
             action: Some(Action::Id(list[pick].0)),
@@ -655,7 +686,6 @@ mod tests {
     use crate::adapters::AdapterConfig;
     use crate::model::Preset;
     use burn::tensor::Device;
-    use rand::SeedableRng;
 
     fn setup() -> (Model, MultiAdapterManager, Vec<Box<dyn Environment>>) {
         let device = Device::flex();
@@ -686,8 +716,8 @@ mod tests {
         let (model, manager, mut envs) = setup();
         let cfg = config(ActionMode::Free, Fallback::Random);
         let run = |envs: &mut [Box<dyn Environment>]| {
-            let mut rng = ChaCha8Rng::seed_from_u64(5);
-            run_episodes(&model, &manager, envs, &[1, 1, 2], &[0, 1], &cfg, &mut rng).unwrap()
+            let mut rngs = episode_rngs(5, 0, 3);
+            run_episodes(&model, &manager, envs, &[1, 1, 2], &[0, 1], &cfg, &mut rngs).unwrap()
         };
         let a = run(&mut envs);
         assert_eq!(a.len(), 3);
@@ -714,11 +744,50 @@ mod tests {
     }
 
     #[test]
+    fn episodes_split_across_batches_play_as_in_one_batch() {
+        let (model, manager, _) = setup();
+        let registry = troupe_envs::Registry::with_builtins();
+        let seeds = [5, 5, 6];
+        for mode in [ActionMode::Free, ActionMode::Constrained, ActionMode::Choice] {
+            let cfg = RolloutConfig { max_episode_steps: 3, ..config(mode, Fallback::Random) };
+            let play = |range: std::ops::Range<usize>| {
+                let mut envs: Vec<Box<dyn Environment>> = range
+                    .clone()
+                    .map(|_| registry.make("hanabi", &serde_json::json!({"players": 2})).unwrap())
+                    .collect();
+                let mut rngs = episode_rngs(17, range.start, range.len());
+                run_episodes(&model, &manager, &mut envs, &seeds[range], &[0, 1], &cfg, &mut rngs).unwrap()
+            };
+            let whole = play(0..3);
+            let mut split = play(0..1);
+            split.extend(play(1..3));
+            let turns = |r: &[EpisodeRecord]| {
+                r.iter()
+                    .map(|e| e.turns.iter().map(|t| (t.completion_ids.clone(), t.invalid)).collect::<Vec<_>>())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(turns(&whole), turns(&split), "{mode}: a split plays the same episodes");
+            for (a, b) in whole.iter().flat_map(|e| &e.turns).zip(split.iter().flat_map(|e| &e.turns)) {
+                for (x, y) in a.sampling_logprobs.iter().zip(&b.sampling_logprobs) {
+                    assert!((x - y).abs() < 1e-4, "{mode}: log-probs {x} vs {y}");
+                }
+            }
+        }
+        // Episodes 0 and 1 share a deal but not a random stream; a stream is its index's alone.
+        let mut first = episode_rngs(17, 0, 3);
+        let mut later = episode_rngs(17, 1, 2);
+        let draws = |rngs: &mut [ChaCha8Rng]| rngs.iter_mut().map(|r| r.random::<u64>()).collect::<Vec<_>>();
+        let (a, b) = (draws(&mut first), draws(&mut later));
+        assert_ne!(a[0], a[1]);
+        assert_eq!(&a[1..], &b[..]);
+    }
+
+    #[test]
     fn end_episode_fallback_stops_at_the_first_invalid_reply() {
         let (model, manager, mut envs) = setup();
         let cfg = config(ActionMode::Free, Fallback::EndEpisode);
-        let mut rng = ChaCha8Rng::seed_from_u64(1);
-        for record in run_episodes(&model, &manager, &mut envs[..2], &[3, 4], &[0, 1], &cfg, &mut rng).unwrap() {
+        let mut rngs = episode_rngs(1, 0, 2);
+        for record in run_episodes(&model, &manager, &mut envs[..2], &[3, 4], &[0, 1], &cfg, &mut rngs).unwrap() {
             if let Some(first_invalid) = record.turns.iter().position(|t| t.invalid) {
                 assert_eq!(first_invalid, record.turns.len() - 1, "nothing after the invalid reply");
             }
@@ -730,8 +799,8 @@ mod tests {
         let (model, manager, mut envs) = setup();
         let cfg = config(ActionMode::Choice, Fallback::Random);
         let cfg = RolloutConfig { max_episode_steps: 2, ..cfg };
-        let mut rng = ChaCha8Rng::seed_from_u64(2);
-        let records = run_episodes(&model, &manager, &mut envs[..2], &[7, 8], &[0, 1], &cfg, &mut rng).unwrap();
+        let mut rngs = episode_rngs(2, 0, 2);
+        let records = run_episodes(&model, &manager, &mut envs[..2], &[7, 8], &[0, 1], &cfg, &mut rngs).unwrap();
         for record in records {
             // Three misplays end a Hanabi game early.
             assert!((1..=2).contains(&record.steps));
@@ -749,9 +818,9 @@ mod tests {
             max_new_tokens: 1,
             ..config(ActionMode::Constrained, Fallback::EndEpisode)
         };
-        let mut rng = ChaCha8Rng::seed_from_u64(9);
         let seeds = [11, 12, 13];
-        let records = run_episodes(&model, &manager, &mut envs, &seeds, &[0, 1], &cfg, &mut rng).unwrap();
+        let mut rngs = episode_rngs(9, 0, seeds.len());
+        let records = run_episodes(&model, &manager, &mut envs, &seeds, &[0, 1], &cfg, &mut rngs).unwrap();
         let eos = model.tokenizer.eos_token_ids[0];
         let registry = troupe_envs::Registry::with_builtins();
         for record in &records {
@@ -791,8 +860,9 @@ mod tests {
         let registry = troupe_envs::Registry::with_builtins();
         let mut envs = vec![registry.make("bridge", &serde_json::json!({})).unwrap()];
         let cfg = RolloutConfig { max_episode_steps: 6, ..config(ActionMode::Constrained, Fallback::EndEpisode) };
-        let mut rng = ChaCha8Rng::seed_from_u64(4);
-        let record = run_episodes(&model, &manager, &mut envs, &[21], &[0, 1, 0, 1], &cfg, &mut rng).unwrap().remove(0);
+        let mut rngs = episode_rngs(4, 0, 1);
+        let record =
+            run_episodes(&model, &manager, &mut envs, &[21], &[0, 1, 0, 1], &cfg, &mut rngs).unwrap().remove(0);
         assert_eq!((record.steps, record.turns.len()), (6, 6), "every call was legal, so the auction went on");
         assert!(record
             .turns
@@ -807,8 +877,8 @@ mod tests {
         let registry = troupe_envs::Registry::with_builtins();
         let mut envs = vec![registry.make("writing", &serde_json::json!({})).unwrap()];
         let cfg = config(ActionMode::Constrained, Fallback::Random);
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
-        let err = run_episodes(&model, &manager, &mut envs, &[0], &[0, 1], &cfg, &mut rng).unwrap_err().to_string();
+        let mut rngs = episode_rngs(0, 0, 1);
+        let err = run_episodes(&model, &manager, &mut envs, &[0], &[0, 1], &cfg, &mut rngs).unwrap_err().to_string();
         assert!(err.contains("action.mode") && err.contains("constrained") && err.contains("writing"), "{err}");
     }
 }

@@ -22,7 +22,8 @@ use super::checkpoint::{clean_staging, latest_checkpoint, list_checkpoints, load
 use super::config::{TrainConfig, CONFIG_FILE};
 use super::lock::{RunLock, LOCK_FILE};
 use super::metrics::{truncate_to, IterationMetrics, MetricsWriter};
-use super::trainer::{MagrpoTrainer, TrainerState};
+use super::rollout::EpisodeRecord;
+use super::trainer::{MagrpoTrainer, RolloutPlan, TrainerState};
 use crate::adapters::{AdapterMode, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
 use crate::model::{BaseFormat, Model};
@@ -40,6 +41,16 @@ pub struct TrainingRun {
     metrics: MetricsWriter,
     /// Held for the run's life: no second trainer in this directory.
     _lock: RunLock,
+}
+
+/// An iteration begun by [`TrainingRun::begin_iteration`]: its rollout plan, waiting for its
+/// episodes.
+#[derive(Clone, Debug)]
+pub struct PendingIteration {
+    /// The episodes to play.
+    pub plan: RolloutPlan,
+    warmup: Vec<f64>,
+    warmup_seconds: f64,
 }
 
 /// The model a config names: a Hugging Face directory, or the built-in preset.
@@ -195,12 +206,35 @@ impl TrainingRun {
     /// `run.checkpoint_every` iterations, and after the last). A failed iteration (a NaN loss,
     /// say) changes nothing on disk: the newest checkpoint stays the last good state.
     pub fn run_iteration(&mut self) -> Result<IterationMetrics> {
+        let started = std::time::Instant::now();
+        let pending = self.begin_iteration()?;
+        let episodes = self.trainer.play(&pending.plan, 0..pending.plan.episodes())?;
+        self.finish_iteration(pending, episodes, started.elapsed().as_secs_f64())
+    }
+
+    /// The first half of [`TrainingRun::run_iteration`], for rollouts played elsewhere (other
+    /// processes holding the same base): the format warm-up when the run is at iteration 0, then
+    /// the iteration's [`RolloutPlan`]. Ship the adapters as they are after this call.
+    pub fn begin_iteration(&mut self) -> Result<PendingIteration> {
         // The format warm-up belongs to the first iteration (a run resumed from checkpoint 0
         // repeats it from the same random state).
         let warmup_started = std::time::Instant::now();
         let warmup = if self.trainer.iteration() == 0 { self.trainer.format_warmup()? } else { Vec::new() };
         let warmup_seconds = warmup_started.elapsed().as_secs_f64();
-        let stats = self.trainer.step()?;
+        Ok(PendingIteration { plan: self.trainer.plan(), warmup, warmup_seconds })
+    }
+
+    /// The second half of [`TrainingRun::run_iteration`]: learns from `pending`'s episodes (all
+    /// of them, in plan order; `rollout_seconds` is the time they took), appends the metrics
+    /// line and checkpoints when due.
+    pub fn finish_iteration(
+        &mut self,
+        pending: PendingIteration,
+        episodes: Vec<EpisodeRecord>,
+        rollout_seconds: f64,
+    ) -> Result<IterationMetrics> {
+        let PendingIteration { plan, warmup, warmup_seconds } = pending;
+        let stats = self.trainer.learn(&plan, episodes, rollout_seconds)?;
         let mut metrics = IterationMetrics::from(&stats);
         if let (Some(first), Some(last)) = (warmup.first(), warmup.last()) {
             metrics.extra.insert("format_warmup_nll_first".into(), *first);

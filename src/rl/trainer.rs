@@ -19,7 +19,7 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use troupe_envs::{Registry, RewardFn, RewardInput};
+use troupe_envs::{RegisteredReward, Registry, RewardInput};
 
 use super::advantage::mean_std;
 use super::batch::{AdvantageSettings, TrainBatch};
@@ -28,7 +28,7 @@ use super::flops::FlopModel;
 use super::objective::{KlPenalty, Objective, ObjectiveConfig};
 use super::optimizer::{clip_fraction, AgentOptimizers};
 use super::rewards::{RewardFunction, RewardPipeline, SeatOutcome};
-use super::rollout::{make_env, run_episodes, EpisodeRecord, RolloutConfig};
+use super::rollout::{episode_rngs, make_env, run_episodes, EpisodeRecord, RolloutConfig};
 use super::update::Scorer;
 pub use super::warmup::FormatWarmup;
 use crate::adapters::{AdamWConfig, AdamWState, MultiAdapterManager};
@@ -119,6 +119,30 @@ pub struct IterationStats {
     pub choice_entropy: Option<f64>,
 }
 
+/// One iteration's rollouts, drawn by [`MagrpoTrainer::plan`]: every episode's environment
+/// seed and random stream, so the episodes can be played anywhere (in one batch, or split across
+/// processes holding the same base and adapters) and give the same samples.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RolloutPlan {
+    /// The 1-based iteration the plan belongs to.
+    pub iteration: u64,
+    /// The iteration's seed (the update's dropout seeds derive from it).
+    pub iteration_seed: u64,
+    /// Seed of the episodes' generators: episode `i` draws from stream `i` of it.
+    pub episode_seed: u64,
+    /// Each group's environment seed (its start).
+    pub starts: Vec<u64>,
+    /// Episodes per start.
+    pub group_size: usize,
+}
+
+impl RolloutPlan {
+    /// How many episodes the plan holds (`starts.len() x group_size`, group by group).
+    pub fn episodes(&self) -> usize {
+        self.starts.len() * self.group_size
+    }
+}
+
 /// What a checkpoint keeps of a trainer besides its adapters: restored with
 /// [`MagrpoTrainer::restore`], read with [`MagrpoTrainer::state`].
 #[derive(Clone, Debug)]
@@ -145,8 +169,8 @@ pub struct MagrpoTrainer {
     settings: TrainerSettings,
     registry: Registry,
     external_rewards: ExternalRewards,
-    /// The registered reward functions the pipeline lists, in order.
-    registered_rewards: Vec<RewardFn>,
+    /// The registered reward functions the pipeline lists, in order, with their names.
+    registered_rewards: Vec<(String, RegisteredReward)>,
 }
 
 /// Every episode's shaped rewards, `[group][episode][seat][step]` ([`shaped_step_rewards`]).
@@ -187,7 +211,7 @@ impl MagrpoTrainer {
                 let found = registry.reward(name).ok_or_else(|| {
                     TroupeError::setting("rewards.functions", format!("no reward function {name:?} is registered"))
                 })?;
-                registered_rewards.push(found);
+                registered_rewards.push((name.clone(), found));
             }
         }
         let external_rewards = ExternalRewards::start(&settings.rewards)?;
@@ -286,15 +310,17 @@ impl MagrpoTrainer {
     }
 
     /// The computed reward functions' values for `episodes`, `[episode][seat][function]` in the
-    /// pipeline's order: registered functions called per seat, external ones with one exchange
-    /// per function (empty lists when there is none).
+    /// pipeline's order: registered per-seat functions called per seat, registered batch
+    /// functions once with every episode, external ones with one exchange per function (empty
+    /// lists when there is none).
     fn computed_reward_values(&self, episodes: &[&EpisodeRecord]) -> Result<Vec<Vec<Vec<f64>>>> {
         if self.external_rewards.is_empty() && self.registered_rewards.is_empty() {
             return Ok(episodes.iter().map(|e| vec![Vec::new(); e.env_returns.len()]).collect());
         }
         let decode = |ids: &[u32]| self.model.tokenizer.decode(ids, true);
-        // Only external functions are sent the prompts; registered ones read completions alone.
-        let with_prompts = !self.external_rewards.is_empty();
+        // Per-seat functions read completions alone; the others are sent the prompts too.
+        let with_prompts = !self.external_rewards.is_empty()
+            || self.registered_rewards.iter().any(|(_, f)| matches!(f, RegisteredReward::Batch(_)));
         let mut items = Vec::with_capacity(episodes.len());
         for episode in episodes {
             let seats = episode.env_returns.len();
@@ -314,8 +340,17 @@ impl MagrpoTrainer {
             });
         }
         let external = self.external_rewards.score(&items)?;
+        // Each batch function's `[episode][seat]` values (None for per-seat functions).
+        let batched: Vec<Option<Vec<Vec<f64>>>> = self
+            .registered_rewards
+            .iter()
+            .map(|(name, function)| match function {
+                RegisteredReward::Seat(_) => Ok(None),
+                RegisteredReward::Batch(f) => batch_reward_values(name, f(&items), &items).map(Some),
+            })
+            .collect::<Result<_>>()?;
         let mut values = Vec::with_capacity(items.len());
-        for ((item, episode), external) in items.iter().zip(episodes).zip(external) {
+        for (e, ((item, episode), external)) in items.iter().zip(episodes).zip(external).enumerate() {
             let mut per_seat = Vec::with_capacity(item.returns.len());
             for (seat, external) in external.into_iter().enumerate() {
                 let invalid_actions = episode.turns.iter().filter(|t| t.seat == seat && t.invalid).count();
@@ -326,12 +361,17 @@ impl MagrpoTrainer {
                     metrics: &item.metrics,
                     completions: &item.completions[seat],
                 };
-                let (mut external, mut registered) = (external.into_iter(), self.registered_rewards.iter());
+                let (mut external, mut registered) =
+                    (external.into_iter(), self.registered_rewards.iter().zip(&batched));
                 let mut seat_values = Vec::new();
                 for function in self.settings.rewards.computed_functions() {
                     let value = match function.name {
                         RewardFunction::External => external.next(),
-                        _ => registered.next().map(|f| f(&input)),
+                        _ => registered.next().map(|((_, f), batch)| match (f, batch) {
+                            (RegisteredReward::Seat(f), _) => f(&input),
+                            (RegisteredReward::Batch(_), Some(values)) => values[e][seat],
+                            (RegisteredReward::Batch(_), None) => f64::NAN,
+                        }),
                     };
                     let value = value.ok_or_else(|| TroupeError::reward(function.name.name(), "gave no value"))?;
                     if !value.is_finite() {
@@ -346,26 +386,44 @@ impl MagrpoTrainer {
         Ok(values)
     }
 
-    /// Plays the iteration's rollouts: `groups_per_iteration` starts x `group_size` episodes,
-    /// all randomness drawn from `rng`.
-    fn rollouts(&self, rng: &mut ChaCha8Rng) -> Result<Vec<Vec<EpisodeRecord>>> {
+    /// Draws the next iteration's rollout plan from the run's random stream: the iteration's
+    /// seed, `groups_per_iteration` starts and the episodes' generator seed. Call it once per
+    /// iteration, then play the plan's episodes ([`MagrpoTrainer::play`], here or in other
+    /// processes with the same base and adapters) and hand them to [`MagrpoTrainer::learn`].
+    pub fn plan(&mut self) -> RolloutPlan {
+        let iteration_seed: u64 = self.rng.random();
+        let mut rollout_rng = ChaCha8Rng::seed_from_u64(iteration_seed);
+        let starts: Vec<u64> = (0..self.settings.groups_per_iteration).map(|_| rollout_rng.random()).collect();
+        RolloutPlan {
+            iteration: self.iteration + 1,
+            iteration_seed,
+            episode_seed: rollout_rng.random(),
+            starts,
+            group_size: self.settings.group_size,
+        }
+    }
+
+    /// Plays episodes `range` of `plan` (indices into [`RolloutPlan::episodes`]) with the
+    /// current adapters, in one batch. Episode `i` draws from its own generator
+    /// ([`super::rollout::episode_rngs`]), so any split of the plan into ranges plays the same
+    /// episodes as the whole plan at once.
+    pub fn play(&self, plan: &RolloutPlan, range: std::ops::Range<usize>) -> Result<Vec<EpisodeRecord>> {
+        let total = plan.episodes();
+        if range.start > range.end || range.end > total {
+            return Err(TroupeError::invalid(
+                "range",
+                format!("episodes {}..{} of a plan of {total}", range.start, range.end),
+            ));
+        }
         let s = &self.settings;
-        let starts: Vec<u64> = (0..s.groups_per_iteration).map(|_| rng.random()).collect();
-        let mut envs = Vec::with_capacity(starts.len() * s.group_size);
-        let mut seeds = Vec::with_capacity(envs.capacity());
-        for &start in &starts {
-            for _ in 0..s.group_size {
-                envs.push(make_env(&self.registry, &s.env_spec)?);
-                seeds.push(start);
-            }
+        let mut envs = Vec::with_capacity(range.len());
+        let mut seeds = Vec::with_capacity(range.len());
+        for episode in range.clone() {
+            envs.push(make_env(&self.registry, &s.env_spec)?);
+            seeds.push(plan.starts[episode / plan.group_size]);
         }
-        let records = run_episodes(&self.model, &self.manager, &mut envs, &seeds, &s.seat_agents, &s.rollout, rng)?;
-        let mut groups = Vec::with_capacity(starts.len());
-        let mut it = records.into_iter();
-        for _ in 0..starts.len() {
-            groups.push(it.by_ref().take(s.group_size).collect());
-        }
-        Ok(groups)
+        let mut rngs = episode_rngs(plan.episode_seed, range.start, range.len());
+        run_episodes(&self.model, &self.manager, &mut envs, &seeds, &s.seat_agents, &s.rollout, &mut rngs)
     }
 
     /// The credit phase: every episode's rewards shaped per step and seat, discounted into each
@@ -397,11 +455,55 @@ impl MagrpoTrainer {
     /// per adapter that got rows.
     pub fn step(&mut self) -> Result<IterationStats> {
         let started = Instant::now();
-        let iteration = self.iteration + 1;
-        let iteration_seed: u64 = self.rng.random();
-        let mut rollout_rng = ChaCha8Rng::seed_from_u64(iteration_seed);
-        let groups = self.rollouts(&mut rollout_rng)?;
-        let rollout_seconds = started.elapsed().as_secs_f64();
+        let plan = self.plan();
+        let episodes = self.play(&plan, 0..plan.episodes())?;
+        self.learn(&plan, episodes, started.elapsed().as_secs_f64())
+    }
+
+    /// The rest of an iteration once `plan`'s episodes are played (all of them, in plan order):
+    /// credit, then per epoch the update and one optimizer step per adapter that got rows.
+    /// `rollout_seconds` is the wall time the episodes took, for the metrics.
+    pub fn learn(
+        &mut self,
+        plan: &RolloutPlan,
+        episodes: Vec<EpisodeRecord>,
+        rollout_seconds: f64,
+    ) -> Result<IterationStats> {
+        let now = Instant::now();
+        let started = now.checked_sub(std::time::Duration::from_secs_f64(rollout_seconds.max(0.0))).unwrap_or(now);
+        if plan.iteration != self.iteration + 1 {
+            return Err(TroupeError::invalid(
+                "plan",
+                format!(
+                    "the plan is for iteration {}, the trainer is at iteration {}",
+                    plan.iteration,
+                    self.iteration + 1
+                ),
+            ));
+        }
+        if episodes.len() != plan.episodes() {
+            return Err(TroupeError::invalid(
+                "episodes",
+                format!("{} episodes for a plan of {}", episodes.len(), plan.episodes()),
+            ));
+        }
+        if let Some((i, e)) = episodes.iter().enumerate().find(|(i, e)| e.seed != plan.starts[i / plan.group_size]) {
+            return Err(TroupeError::invalid(
+                "episodes",
+                format!(
+                    "episode {i} was played from seed {}, the plan says {}",
+                    e.seed,
+                    plan.starts[i / plan.group_size]
+                ),
+            ));
+        }
+        let iteration = plan.iteration;
+        let iteration_seed = plan.iteration_seed;
+        let mut groups: Vec<Vec<EpisodeRecord>> = Vec::with_capacity(plan.starts.len());
+        let mut it = episodes.into_iter();
+        for _ in 0..plan.starts.len() {
+            groups.push(it.by_ref().take(plan.group_size).collect());
+        }
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
         let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
 
@@ -521,6 +623,35 @@ impl MagrpoTrainer {
             },
         })
     }
+}
+
+/// A batch reward function's answer for `items` as `[episode][seat]`: one value per episode
+/// (every seat gets it) or one per seat, else an error naming the function.
+fn batch_reward_values(
+    name: &str,
+    answer: std::result::Result<Vec<Vec<f64>>, String>,
+    items: &[RewardItem],
+) -> Result<Vec<Vec<f64>>> {
+    let answer = answer.map_err(|message| TroupeError::reward(name, message))?;
+    if answer.len() != items.len() {
+        return Err(TroupeError::reward(name, format!("gave {} rewards for {} episodes", answer.len(), items.len())));
+    }
+    answer
+        .into_iter()
+        .zip(items)
+        .enumerate()
+        .map(|(e, (values, item))| {
+            let seats = item.returns.len();
+            match values.len() {
+                1 => Ok(vec![values[0]; seats]),
+                n if n == seats => Ok(values),
+                n => Err(TroupeError::reward(
+                    name,
+                    format!("gave {n} values for episode {e}; give one, or one per seat ({seats})"),
+                )),
+            }
+        })
+        .collect()
 }
 
 /// Every seat's reward at every step of `episode` under the configured pipeline: `[seat][step]`.
@@ -646,7 +777,7 @@ mod tests {
         assert!((stats.lr - 5e-3).abs() < 1e-12, "warm-up: half the peak at iteration 1 of 2");
         assert_eq!(t.manager.adapter(1).unwrap().to_host(), idle_before);
         assert!(!t.optimizer_states().contains_key("agent_1"), "no optimizer state for an idle agent");
-        if stats.grad_norm.contains_key("agent_0") {
+        if stats.grad_norm.get("agent_0").is_some_and(|norm| *norm > 0.0) {
             assert_ne!(t.manager.adapter(0).unwrap().to_host(), active_before, "the acting agent learned");
         }
     }
@@ -671,6 +802,72 @@ mod tests {
             (stats.loss, t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host())
         };
         assert_eq!(run(), run());
+    }
+
+    #[test]
+    fn batch_reward_functions_score_every_episode_in_one_call() {
+        use crate::rl::rewards::{RewardFunction, WeightedReward};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = Arc::clone(&calls);
+        let mut registry = Registry::with_builtins();
+        // Seat s of episode e gets e + s / 10 (per seat); "shared" gives every seat 2.
+        registry.register_batch_reward("per_seat", "test", move |items| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            assert!(items.iter().all(|i| i.prompts.iter().all(|p| !p.is_empty())), "prompts are sent");
+            Ok(items
+                .iter()
+                .enumerate()
+                .map(|(e, i)| (0..i.returns.len()).map(|s| e as f64 + s as f64 / 10.0).collect())
+                .collect())
+        });
+        registry.register_batch_reward("shared", "test", |items| Ok(items.iter().map(|_| vec![2.0]).collect()));
+        registry.register_batch_reward("short", "test", |_| Ok(vec![vec![1.0]]));
+        registry.register_batch_reward("refuses", "test", |_| Err("no model loaded".into()));
+        let named = |name: &str| WeightedReward::builtin(RewardFunction::Registered(name.into()), 1.0);
+        let build = |names: &[&str]| {
+            let mut t = trainer(vec![0, 1], 2);
+            t.settings.rewards = RewardPipeline::new(names.iter().map(|n| named(n)).collect(), vec![]).unwrap();
+            MagrpoTrainer::new(t.model, t.manager, registry.clone(), t.settings).unwrap()
+        };
+        let t = build(&["per_seat", "shared"]);
+        let plan = RolloutPlan { iteration: 1, iteration_seed: 1, episode_seed: 2, starts: vec![4], group_size: 2 };
+        let episodes = t.play(&plan, 0..2).unwrap();
+        let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
+        let values = t.computed_reward_values(&refs).unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "one call for the whole batch");
+        assert_eq!(values, vec![vec![vec![0.0, 2.0], vec![0.1, 2.0]], vec![vec![1.0, 2.0], vec![1.1, 2.0]]]);
+        let err = build(&["short"]).computed_reward_values(&refs).unwrap_err().to_string();
+        assert!(err.contains("short") && err.contains("1 rewards for 2 episodes"), "{err}");
+        let err = build(&["refuses"]).computed_reward_values(&refs).unwrap_err().to_string();
+        assert!(err.contains("refuses") && err.contains("no model loaded"), "{err}");
+    }
+
+    #[test]
+    fn a_plan_played_in_parts_trains_as_one_step() {
+        // What a learner does with rollouts played by several processes: the same plan, played
+        // in two ranges, learned from, gives the adapters `step` gives.
+        let whole = {
+            let mut t = trainer(vec![0, 1], 2);
+            t.settings.groups_per_iteration = 2;
+            t.step().unwrap();
+            (t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host())
+        };
+        let mut t = trainer(vec![0, 1], 2);
+        t.settings.groups_per_iteration = 2;
+        let plan = t.plan();
+        assert_eq!(plan.episodes(), 4);
+        let mut episodes = t.play(&plan, 0..3).unwrap();
+        episodes.extend(t.play(&plan, 3..4).unwrap());
+        let mut wrong = episodes.clone();
+        wrong.pop();
+        assert!(t.learn(&plan, wrong, 0.0).unwrap_err().to_string().contains("3 episodes for a plan of 4"));
+        assert!(t.play(&plan, 2..5).is_err(), "a range beyond the plan is refused");
+        let stats = t.learn(&plan, episodes, 0.0).unwrap();
+        assert_eq!(stats.iteration, 1);
+        assert_eq!((t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host()), whole);
+        assert!(t.learn(&plan, Vec::new(), 0.0).unwrap_err().to_string().contains("plan is for iteration 1"));
     }
 
     /// Host values of every gradient tensor of one adapter, in site order.
@@ -763,7 +960,9 @@ mod tests {
                 }
                 t.manager.set_adapter(agent, adapter).unwrap();
             }
-            let groups = t.rollouts(&mut ChaCha8Rng::seed_from_u64(5)).unwrap();
+            let plan = t.plan();
+            let groups: Vec<Vec<EpisodeRecord>> =
+                t.play(&plan, 0..plan.episodes()).unwrap().chunks(plan.group_size).map(<[_]>::to_vec).collect();
             let (mut batch, _) = t.credit(&groups).unwrap();
             assert!(batch.rows.len() >= 4, "{mode:?}: rows to train on");
             if fallback == Fallback::Retry {

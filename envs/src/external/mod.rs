@@ -13,6 +13,7 @@
 pub mod process;
 pub mod protocol;
 mod server;
+pub mod transport;
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -32,6 +33,7 @@ use protocol::{
     PROTOCOL_VERSION,
 };
 pub use server::serve;
+use transport::Transport;
 
 /// The parameters of `env: {name: external, ...}`.
 #[derive(Clone, Debug, Deserialize)]
@@ -103,15 +105,42 @@ pub fn register(registry: &mut Registry) {
     );
 }
 
+/// Makes a fresh in-process protocol server (see [`register_in_process`]).
+pub type TransportFactory = Arc<dyn Fn() -> Result<Box<dyn Transport>, String> + Send + Sync>;
+
+/// Registers environment `name` served in this process by a protocol server that `connect`
+/// makes (one per distinct set of parameters, kept for the registry's life, as `external`
+/// keeps its processes): the Python package registers a Python environment object this way,
+/// with every check `external` makes. The config's parameters (`env: {name: NAME, ...}` less
+/// `name`) are sent in `init`.
+pub fn register_in_process(registry: &mut Registry, name: &str, description: &str, connect: TransportFactory) {
+    let servers: Arc<Mutex<BTreeMap<String, Arc<Backend>>>> = Arc::default();
+    let label = name.to_string();
+    registry.register(name, description, move |params| {
+        let key = params.to_string();
+        let mut servers = servers.lock().unwrap_or_else(|e| e.into_inner());
+        let backend = match servers.get(&key) {
+            Some(backend) if !backend.is_broken() => Arc::clone(backend),
+            _ => {
+                let transport = connect().map_err(|message| EnvError::External { command: label.clone(), message })?;
+                let backend = Arc::new(Backend::connect(label.clone(), transport, params)?);
+                servers.insert(key, Arc::clone(&backend));
+                backend
+            }
+        };
+        Ok(Box::new(ExternalEnv::new(backend)))
+    });
+}
+
 /// One episode's answer to `step`: its rewards and new state, or why the step was refused.
 type StepOutcome = Result<(Vec<f64>, WireState), String>;
 
-/// One process and what it said about itself.
+/// One server (a process, or one in this process) and what it said about itself.
 pub(crate) struct Backend {
     command: String,
     name: String,
     num_seats: usize,
-    process: Mutex<Process>,
+    process: Mutex<Box<dyn Transport>>,
     next_episode: AtomicU64,
     /// Episodes dropped since the last exchange: sent as one `close` before the next request.
     closed: Mutex<Vec<u64>>,
@@ -121,10 +150,17 @@ impl Backend {
     /// Starts the process and exchanges `init`.
     fn start(params: &ExternalParams) -> Result<Self, EnvError> {
         let command = params.command_line();
-        let fail = |message: String| EnvError::External { command: command.clone(), message };
         let timeout = Duration::from_secs_f64(params.timeout_s);
-        let mut process = Process::start(&params.command, timeout).map_err(fail)?;
-        let init_params = if params.params.is_null() { json!({}) } else { params.params.clone() };
+        let process = Process::start(&params.command, timeout)
+            .map_err(|message| EnvError::External { command: command.clone(), message })?;
+        Self::connect(command, Box::new(process), &params.params)
+    }
+
+    /// Exchanges `init` (with `init_params`) over `process`; `command` names the server in
+    /// errors.
+    fn connect(command: String, mut process: Box<dyn Transport>, init_params: &Value) -> Result<Self, EnvError> {
+        let fail = |message: String| EnvError::External { command: command.clone(), message };
+        let init_params = if init_params.is_null() { json!({}) } else { init_params.clone() };
         let mut fields = Map::new();
         fields.insert("protocol".to_string(), json!(PROTOCOL_VERSION));
         fields.insert("params".to_string(), init_params);

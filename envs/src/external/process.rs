@@ -118,11 +118,7 @@ impl Process {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let mut request = Map::new();
-        request.insert("id".to_string(), Value::from(id));
-        request.insert("method".to_string(), Value::from(method));
-        request.extend(fields);
-        let mut line = Value::Object(request).to_string();
+        let mut line = request_line(id, method, fields);
         line.push('\n');
         let sent = self.requests.as_ref().is_some_and(|tx| tx.send(line).is_ok());
         if !sent {
@@ -141,34 +137,10 @@ impl Process {
                 )));
             }
         };
-        let parsed: Value = match serde_json::from_str(answer.trim_end()) {
-            Ok(Value::Object(map)) => Value::Object(map),
-            _ => {
-                return Err(self.break_with(format!(
-                    "answered `{method}` with a line that is not a JSON object: {}",
-                    shorten(answer.trim_end())
-                )))
-            }
-        };
-        let answered_id = parsed.get("id").and_then(Value::as_u64);
-        if answered_id != Some(id) {
-            return Err(self.break_with(format!(
-                "answered request {id} (`{method}`) with id {}: {}",
-                parsed.get("id").map_or("(none)".to_string(), Value::to_string),
-                shorten(answer.trim_end())
-            )));
-        }
-        if let Some(error) = parsed.get("error") {
-            let message = error.as_str().map_or_else(|| error.to_string(), str::to_string);
-            return Err(CallError::Refused(message));
-        }
-        match parsed.get("result") {
-            Some(result) => Ok(result.clone()),
-            None => Err(self.break_with(format!(
-                "answered `{method}` with neither `result` nor `error`: {}",
-                shorten(answer.trim_end())
-            ))),
-        }
+        read_answer(method, id, &answer).map_err(|err| match err {
+            CallError::Broken(message) => self.break_with(message),
+            refused => refused,
+        })
     }
 
     /// Whether an exchange already failed (the process is killed and every call fails).
@@ -213,6 +185,50 @@ impl Drop for Process {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The `result` of the answer line `answer` to request `id` (`method`): a `Refused` error when
+/// it carries an `error`, a `Broken` one (with the reason) when it is not a well-formed answer to
+/// that request.
+pub(crate) fn read_answer(method: &str, id: u64, answer: &str) -> Result<Value, CallError> {
+    let answer = answer.trim_end();
+    let parsed: Value = match serde_json::from_str(answer) {
+        Ok(Value::Object(map)) => Value::Object(map),
+        _ => {
+            return Err(CallError::Broken(format!(
+                "answered `{method}` with a line that is not a JSON object: {}",
+                shorten(answer)
+            )))
+        }
+    };
+    let answered_id = parsed.get("id").and_then(Value::as_u64);
+    if answered_id != Some(id) {
+        return Err(CallError::Broken(format!(
+            "answered request {id} (`{method}`) with id {}: {}",
+            parsed.get("id").map_or("(none)".to_string(), Value::to_string),
+            shorten(answer)
+        )));
+    }
+    if let Some(error) = parsed.get("error") {
+        let message = error.as_str().map_or_else(|| error.to_string(), str::to_string);
+        return Err(CallError::Refused(message));
+    }
+    match parsed.get("result") {
+        Some(result) => Ok(result.clone()),
+        None => Err(CallError::Broken(format!(
+            "answered `{method}` with neither `result` nor `error`: {}",
+            shorten(answer)
+        ))),
+    }
+}
+
+/// The request line of call `id`: `{"id": id, "method": method, ...fields}`.
+pub(crate) fn request_line(id: u64, method: &str, fields: Map<String, Value>) -> String {
+    let mut request = Map::new();
+    request.insert("id".to_string(), Value::from(id));
+    request.insert("method".to_string(), Value::from(method));
+    request.extend(fields);
+    Value::Object(request).to_string()
 }
 
 /// Why a call failed.
