@@ -386,6 +386,22 @@ impl MagrpoTrainer {
         Ok(values)
     }
 
+    /// Every seat's reward for each of `episodes` under the configured pipeline (reward
+    /// functions, weights and processors, summed over the episode's steps): `[episode][seat]`,
+    /// what an evaluation of the trained reward reports.
+    pub fn episode_rewards(&self, episodes: &[EpisodeRecord]) -> Result<Vec<Vec<f64>>> {
+        let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
+        let computed = self.computed_reward_values(&refs)?;
+        episodes
+            .iter()
+            .zip(&computed)
+            .map(|(e, values)| {
+                let shaped = shaped_step_rewards(e, &self.settings.rewards, values)?;
+                Ok(shaped.iter().map(|steps| steps.iter().sum()).collect())
+            })
+            .collect()
+    }
+
     /// Draws the next iteration's rollout plan from the run's random stream: the iteration's
     /// seed, `groups_per_iteration` starts and the episodes' generator seed. Call it once per
     /// iteration, then play the plan's episodes ([`MagrpoTrainer::play`], here or in other
