@@ -59,3 +59,33 @@ def test_two_actors_sample_what_one_process_samples_and_survive_a_kill(tmp_path,
     assert runner.restarts == 1, "the killed actor was replaced once"
     assert killed_log == single_log, "its episodes were played again, the same"
     runner.shutdown()
+
+
+def test_a_python_environment_plays_on_the_actors(tmp_path, local_ray):
+    import test_package
+    from test_package import Nim
+
+    # The actors unpickle the environment class: ship the test module by value, since the
+    # actors' processes cannot import it by name.
+    ray.cloudpickle.register_pickle_by_value(test_package)
+
+    def played(log):
+        def reward(a, b, items):
+            log.append([item["seed"] for item in items] + list(a) + list(b))
+            return [0.0 for _ in a]
+        return reward
+
+    config = {
+        "run": {"iterations": 1, "checkpoint_every": 100, "seed": 2},
+        "action": {"mode": "choice"},
+        "training": {"group_size": 2, "groups_per_iteration": 2, "max_episode_steps": 20},
+    }
+    single_log, ray_log = [], []
+    troupe.MAGRPOTrainer(num_agents=2, env=Nim, reward_funcs=[played(single_log)], config=config,
+                         output_dir=tmp_path / "single").train()
+    trainer = troupe.MAGRPOTrainer(num_agents=2, env=Nim, reward_funcs=[played(ray_log)], config=config,
+                                   output_dir=tmp_path / "ray")
+    runner = troupe.ray.RayRunner(trainer, num_actors=2, timeout_s=120)
+    runner.train()
+    runner.shutdown()
+    assert ray_log == single_log and single_log

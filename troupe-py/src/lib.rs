@@ -358,14 +358,14 @@ impl RolloutWorker {
     fn new(py: Python<'_>, config_yaml: &str, origin: &str, envs: Vec<(String, Py<PyAny>)>) -> PyResult<Self> {
         // Reward functions are the learner's: the worker's registry needs none of them, so a
         // config naming Python rewards is read against a registry that knows their names.
-        let mut check = registry_with(Vec::new(), Vec::new());
+        let registry = registry_with(Vec::new(), envs);
+        let mut check = registry.clone();
         for name in reward_names(config_yaml) {
             check.register_batch_reward(&name, "checked by the learner", |_| {
                 Err("a rollout worker computes no reward".into())
             });
         }
         let config = parse_config(config_yaml, origin, &check)?;
-        let registry = registry_with(Vec::new(), envs);
         let device = config_device(&config)?;
         let trainer = without_gil(py, (config, registry, device), |(config, registry, device)| {
             let model = load_model(&config, &device).map_err(|e| e.to_string())?;
