@@ -1,0 +1,99 @@
+//! Input rows quantized to 8 bits per 32-value block, as llama.cpp quantizes the activations it
+//! multiplies with block-format weights (`quantize_row_q8_1`): per block `d = max|x| / 127`,
+//! `q = round(x / d)` in `-127..=127`, and the block's integer sum for the formats whose weights
+//! carry an offset or a minimum. `d` stays f32 (ggml rounds it to f16).
+//!
+//! One scalar implementation only: quantizing costs `m * cols` operations against the product's
+//! `m * cols * rows`, and a single implementation makes every instruction set see the same bytes.
+
+/// Values per activation block (the block size of every 32-value weight format, and the
+/// sub-block size of Q4_K / Q5_K).
+pub const BLOCK: usize = 32;
+
+/// `[m, cols]` input rows as 8-bit blocks.
+#[derive(Clone, Debug, Default)]
+pub struct Q8Activations {
+    /// `[m, cols]`: the quantized values.
+    pub q: Vec<i8>,
+    /// `[m, cols / 32]`: each block's scale `d`.
+    pub d: Vec<f32>,
+    /// `[m, cols / 32]`: each block's `d * sum(q)`, what a weight block's minimum multiplies.
+    pub s: Vec<f32>,
+    /// `[m, cols / 32]`: each block's `sum(q)`, what a weight block's integer offset multiplies.
+    pub sums: Vec<i32>,
+    /// Values per row (a multiple of 32).
+    pub cols: usize,
+}
+
+impl Q8Activations {
+    /// Quantizes `x` (`[m, cols]`, row-major, `cols` a multiple of 32).
+    pub fn quantize(x: &[f32], cols: usize) -> Self {
+        debug_assert!(cols.is_multiple_of(BLOCK) && x.len().is_multiple_of(cols.max(1)));
+        let blocks = x.len() / BLOCK;
+        let mut out = Self {
+            q: vec![0; x.len()],
+            d: Vec::with_capacity(blocks),
+            s: Vec::with_capacity(blocks),
+            sums: Vec::with_capacity(blocks),
+            cols,
+        };
+        for (block, q) in x.chunks_exact(BLOCK).zip(out.q.chunks_exact_mut(BLOCK)) {
+            let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, v) in q.iter_mut().zip(block) {
+                // Clamped: `x * (1 / d)` may round a hair past 127, and -128 must never occur
+                // (the signed SIMD product negates activations).
+                let v = (v * id).round().clamp(-127.0, 127.0) as i8;
+                *q = v;
+                sum += v as i32;
+            }
+            out.d.push(d);
+            out.s.push(d * sum as f32);
+            out.sums.push(sum);
+        }
+        out
+    }
+
+    /// Blocks per row.
+    pub fn blocks(&self) -> usize {
+        self.cols / BLOCK
+    }
+
+    /// Row `i`'s values.
+    pub fn row(&self, i: usize) -> &[i8] {
+        &self.q[i * self.cols..(i + 1) * self.cols]
+    }
+
+    /// Row `i`'s block scales, block `d * sum(q)` and block sums.
+    pub fn row_scales(&self, i: usize) -> (&[f32], &[f32], &[i32]) {
+        let nb = self.blocks();
+        let range = i * nb..(i + 1) * nb;
+        (&self.d[range.clone()], &self.s[range.clone()], &self.sums[range])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_round_to_within_half_a_step() {
+        let x: Vec<f32> = (0..96).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
+        let a = Q8Activations::quantize(&x, 96);
+        assert_eq!((a.blocks(), a.d.len()), (3, 3));
+        for (b, block) in x.chunks(32).enumerate() {
+            let d = a.d[b];
+            let q = &a.row(0)[b * 32..(b + 1) * 32];
+            assert_eq!(q.iter().map(|v| v.unsigned_abs()).max(), Some(127));
+            for (v, q) in block.iter().zip(q) {
+                assert!((v - d * *q as f32).abs() <= 0.5 * d * 1.0001, "{v} vs {q} * {d}");
+            }
+            assert_eq!(a.sums[b], q.iter().map(|v| *v as i32).sum::<i32>());
+        }
+        // A zero block stays zero, with a zero scale.
+        let z = Q8Activations::quantize(&[0.0; 32], 32);
+        assert_eq!((z.d[0], z.sums[0]), (0.0, 0));
+    }
+}
