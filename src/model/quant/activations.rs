@@ -15,29 +15,35 @@ pub const BLOCK: usize = 32;
 pub struct Q8Activations {
     /// `[m, cols]`: the quantized values.
     pub q: Vec<i8>,
-    /// `[m, cols / 32]`: each block's scale `d`.
+    /// `[m, padded_blocks]`: each block's scale `d` (zero in the padding).
     pub d: Vec<f32>,
-    /// `[m, cols / 32]`: each block's `d * sum(q)`, what a weight block's minimum multiplies.
+    /// `[m, padded_blocks]`: each block's `d * sum(q)`, what a weight block's minimum multiplies.
     pub s: Vec<f32>,
-    /// `[m, cols / 32]`: each block's `sum(q)`, what a weight block's integer offset multiplies.
+    /// `[m, padded_blocks]`: each block's `sum(q)`, what a weight block's integer offset multiplies.
     pub sums: Vec<i32>,
     /// Values per row (a multiple of 32).
     pub cols: usize,
+}
+
+/// `blocks` rounded up to whole groups of eight (the SIMD products read scales eight at a time).
+pub fn padded(blocks: usize) -> usize {
+    blocks.div_ceil(8) * 8
 }
 
 impl Q8Activations {
     /// Quantizes `x` (`[m, cols]`, row-major, `cols` a multiple of 32).
     pub fn quantize(x: &[f32], cols: usize) -> Self {
         debug_assert!(cols.is_multiple_of(BLOCK) && x.len().is_multiple_of(cols.max(1)));
-        let blocks = x.len() / BLOCK;
+        let (nb, rows) = (cols / BLOCK, x.len().checked_div(cols).unwrap_or(0));
+        let stride = padded(nb);
         let mut out = Self {
             q: vec![0; x.len()],
-            d: Vec::with_capacity(blocks),
-            s: Vec::with_capacity(blocks),
-            sums: Vec::with_capacity(blocks),
+            d: vec![0.0; rows * stride],
+            s: vec![0.0; rows * stride],
+            sums: vec![0; rows * stride],
             cols,
         };
-        for (block, q) in x.chunks_exact(BLOCK).zip(out.q.chunks_exact_mut(BLOCK)) {
+        for (index, (block, q)) in x.chunks_exact(BLOCK).zip(out.q.chunks_exact_mut(BLOCK)).enumerate() {
             let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };
@@ -49,9 +55,8 @@ impl Q8Activations {
                 *q = v;
                 sum += v as i32;
             }
-            out.d.push(d);
-            out.s.push(d * sum as f32);
-            out.sums.push(sum);
+            let at = index / nb * stride + index % nb;
+            (out.d[at], out.s[at], out.sums[at]) = (d, d * sum as f32, sum);
         }
         out
     }
@@ -66,10 +71,11 @@ impl Q8Activations {
         &self.q[i * self.cols..(i + 1) * self.cols]
     }
 
-    /// Row `i`'s block scales, block `d * sum(q)` and block sums.
+    /// Row `i`'s block scales, block `d * sum(q)` and block sums (`padded(blocks)` each, zero
+    /// past `blocks`).
     pub fn row_scales(&self, i: usize) -> (&[f32], &[f32], &[i32]) {
-        let nb = self.blocks();
-        let range = i * nb..(i + 1) * nb;
+        let stride = padded(self.blocks());
+        let range = i * stride..(i + 1) * stride;
         (&self.d[range.clone()], &self.s[range.clone()], &self.sums[range])
     }
 }
@@ -82,7 +88,7 @@ mod tests {
     fn blocks_round_to_within_half_a_step() {
         let x: Vec<f32> = (0..96).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect();
         let a = Q8Activations::quantize(&x, 96);
-        assert_eq!((a.blocks(), a.d.len()), (3, 3));
+        assert_eq!((a.blocks(), a.d.len()), (3, 8));
         for (b, block) in x.chunks(32).enumerate() {
             let d = a.d[b];
             let q = &a.row(0)[b * 32..(b + 1) * 32];

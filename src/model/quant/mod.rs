@@ -40,7 +40,7 @@ pub mod int_dot;
 mod x86;
 
 use activations::Q8Activations;
-use int_dot::Level;
+use int_dot::{InputRow, Level};
 
 /// How the frozen base holds its weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -196,15 +196,24 @@ impl QuantizedWeight {
             |(scratch, buf), (task, tile)| self.fused_tile(&inputs, task * ROWS_PER_TASK, tile, scratch, buf),
         );
         if m == 1 {
-            out_t
-        } else {
-            super::layers::transpose_host(&out_t, rows, m)
+            return out_t;
         }
+        // Tile by tile, so that both sides stay in cache.
+        let mut out = vec![0.0f32; m * rows];
+        for (task, tile) in out_t.chunks(ROWS_PER_TASK * m).enumerate() {
+            let first = task * ROWS_PER_TASK;
+            for (j, values) in tile.chunks_exact(m).enumerate() {
+                for (i, v) in values.iter().enumerate() {
+                    out[i * rows + first + j] = *v;
+                }
+            }
+        }
+        out
     }
 
     /// One task of the fused product: output rows `first..` (as many as `tile` holds, `[rows, m]`)
     /// for all inputs. Each weight row is read once and dotted with every input row while it is
-    /// in L1: its scales converted (and its values unpacked, where the format needs it) once.
+    /// in L1 (unpacked once, where its format needs it).
     fn fused_tile(
         &self,
         inputs: &Inputs<'_>,
@@ -218,21 +227,17 @@ impl QuantizedWeight {
             let (part, local) = self.part_row(first + j);
             let width = part.row_bytes();
             let bytes = &part.bytes[local * width..(local + 1) * width];
-            match int_dot::int_form(part.ggml_type) {
-                Some((form, offset, has_min)) => {
-                    int_dot::prepare_row(part.ggml_type, bytes, scratch);
-                    let row = int_dot::PreparedRow { bytes, form, offset, has_min };
-                    for (i, o) in out.iter_mut().enumerate() {
-                        *o = int_dot::row_dot(inputs.level, &row, scratch, inputs.xq, i);
-                    }
+            if int_dot::int_form(part.ggml_type).is_some() {
+                let row = int_dot::prepare_row(inputs.level, part.ggml_type, bytes, m, scratch);
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = int_dot::row_dot(inputs.level, &row, &InputRow::of(inputs.xq, i));
                 }
+            } else {
                 // Q6_K and the float types: the row dequantized into an L1-resident buffer,
                 // dotted with the f32 inputs.
-                None => {
-                    dequantize(part.ggml_type, bytes, buf);
-                    for (i, o) in out.iter_mut().enumerate() {
-                        *o = float_dot(inputs.level, &inputs.x[i * cols..(i + 1) * cols], buf);
-                    }
+                dequantize(part.ggml_type, bytes, buf);
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = float_dot(inputs.level, &inputs.x[i * cols..(i + 1) * cols], buf);
                 }
             }
         }
@@ -571,7 +576,7 @@ mod tests {
                         let xv = if ty == GgmlType::Q6_K {
                             x[i * cols + k] as f64
                         } else {
-                            xq.d[i * cols / 32 + k / 32] as f64 * xq.q[i * cols + k] as f64
+                            xq.row_scales(i).0[k / 32] as f64 * xq.q[i * cols + k] as f64
                         };
                         want += xv * dense[r * cols + k] as f64;
                         scale += (xv * dense[r * cols + k] as f64).abs();
@@ -580,6 +585,15 @@ mod tests {
                     assert!(err <= 1e-6 * scale.max(1.0), "{} [{i}, {r}]: {} vs {want}", ty.name(), got[i * rows + r]);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn inline_f16_conversion_is_exact() {
+        for h in 0..=u16::MAX {
+            let want = f16::from_bits(h).to_f32();
+            let got = int_dot::f16_at(&h.to_le_bytes(), 0);
+            assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{h:#06x}: {got} vs {want}");
         }
     }
 
@@ -599,7 +613,7 @@ mod tests {
                 for r in 0..rows {
                     let want: f32 = (0..cols).map(|k| x[i * cols + k] * dense[r * cols + k]).sum();
                     let bound: f32 =
-                        (0..cols).map(|k| dense[r * cols + k].abs() * xq.d[i * cols / 32 + k / 32] / 2.0).sum();
+                        (0..cols).map(|k| dense[r * cols + k].abs() * xq.row_scales(i).0[k / 32] / 2.0).sum();
                     let got = fused[i * rows + r];
                     assert!((want - got).abs() <= bound + 1e-5, "m {m} [{i}, {r}]: {got} vs {want} (bound {bound})");
                 }

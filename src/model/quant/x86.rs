@@ -1,17 +1,19 @@
-//! The block integer sums of [`super::int_dot`] on x86-64 SIMD: AVX2 (`vpmaddubsw` +
-//! `vpmaddwd`) and AVX-512 VNNI (`vpdpbusd` on 256-bit registers). Each function computes, per
-//! 32-value block, the exact `i32` sum of weight times activation that the scalar functions of
-//! [`super::int_dot`] compute; the callers check the CPU's features first.
+//! [`super::int_dot`]'s row products on x86-64 SIMD: AVX2 (`vpmaddubsw` + `vpmaddwd`) and
+//! AVX-512 VNNI (`vpdpbusd` on 256-bit registers), and the row preparation (F16C for the blocks'
+//! f16 scales, nibbles unpacked). The callers check the CPU's features first.
 //!
-//! A block's 32 byte products land in eight `i32` lanes; eight blocks' vectors are then reduced
-//! together (two rounds of `vphaddd` and one cross-lane add) into one vector of eight block sums,
-//! so no block pays a horizontal sum of its own.
+//! A block's 32 byte products land in eight `i32` lanes; eight blocks' vectors are reduced
+//! together (two rounds of `vphaddd` and one cross-lane add) into one vector of eight exact block
+//! sums, which then takes the float step of [`super::int_dot::row_dot_scalar`] in its eight lanes
+//! (block b in lane b % 8), with the same operations in the same order: the result is the
+//! portable one, bit for bit.
 
 use std::arch::x86_64::*;
 
 use super::activations::BLOCK;
+use super::int_dot::{InputRow, IntForm, WeightRow};
 
-/// Sums the four 8-lane vectors' lanes: `[sum(v0), sum(v1), sum(v2), sum(v3)]`.
+/// `[sum(v0), sum(v1), sum(v2), sum(v3)]` of four eight-lane vectors.
 #[target_feature(enable = "avx2")]
 #[inline]
 fn reduce4(v0: __m256i, v1: __m256i, v2: __m256i, v3: __m256i) -> __m128i {
@@ -19,18 +21,8 @@ fn reduce4(v0: __m256i, v1: __m256i, v2: __m256i, v3: __m256i) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
 }
 
-/// The sum of one vector's eight lanes.
-#[target_feature(enable = "avx2")]
-#[inline]
-fn hsum(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-    _mm_cvtsi128_si32(s)
-}
-
-/// Unsigned bytes `w` (each at most 127, so pairs never saturate) times signed bytes `x`, four
-/// adjacent products summed into each of eight `i32` lanes.
+/// Unsigned bytes `w` times signed bytes `x`, four adjacent products summed into each of eight
+/// `i32` lanes (`w` at most 128 and `x` at least -127, so no pair saturates 16 bits).
 #[target_feature(enable = "avx2")]
 #[inline]
 fn dot_avx2(w: __m256i, x: __m256i) -> __m256i {
@@ -62,26 +54,99 @@ fn load16(bytes: &[u8], at: usize) -> __m128i {
     unsafe { _mm_loadu_si128(chunk.as_ptr().cast()) }
 }
 
-/// Writes eight (or, for the last group, fewer) block sums.
+/// Eight f32 at `values[first..first + 8]` (the padded scale arrays).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn store_sums(out: &mut [i32], lo: __m128i, hi: __m128i) {
-    let mut sums = [0i32; 8];
-    // SAFETY: `sums` is 32 writable bytes, two unaligned 16-byte stores.
-    unsafe {
-        _mm_storeu_si128(sums.as_mut_ptr().cast(), lo);
-        _mm_storeu_si128(sums.as_mut_ptr().add(4).cast(), hi);
-    }
-    out.copy_from_slice(&sums[..out.len()]);
+fn f32x8(values: &[f32], first: usize) -> __m256 {
+    let chunk: &[f32; 8] = values[first..first + 8].try_into().expect("a padded group of 8");
+    // SAFETY: `chunk` is 32 readable bytes; the load is unaligned.
+    unsafe { _mm256_loadu_ps(chunk.as_ptr()) }
 }
 
-/// Runs `$block` (a block index to its eight-lane products) over every block, writing each
-/// block's lane sum to `$out`, eight blocks at a time (a macro, not a function taking a closure,
-/// so that everything is compiled inside the caller's `target_feature` function).
-macro_rules! groups {
-    ($out:expr, |$b:ident| $block:expr) => {{
-        let out: &mut [i32] = $out;
-        let nb = out.len();
+/// Eight i32 at `values[first..first + 8]`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn i32x8(values: &[i32], first: usize) -> __m256i {
+    let chunk: &[i32; 8] = values[first..first + 8].try_into().expect("a padded group of 8");
+    // SAFETY: `chunk` is 32 readable bytes; the load is unaligned.
+    unsafe { _mm256_loadu_si256(chunk.as_ptr().cast()) }
+}
+
+/// The f16 at byte `at` of every `stride`-byte block of `bytes`, as f32, into `out`: eight at a
+/// time through `vcvtph2ps`, the rest one by one (both conversions exact).
+#[target_feature(enable = "avx2,f16c")]
+pub(super) fn f16_scales(bytes: &[u8], stride: usize, at: usize, out: &mut [f32]) {
+    let done = out.len() / 8 * 8;
+    let mut groups = out.chunks_exact_mut(8);
+    for (g, group) in groups.by_ref().enumerate() {
+        let row = &bytes[g * 8 * stride..(g + 1) * 8 * stride];
+        let h = |k: usize| i16::from_le_bytes([row[k * stride + at], row[k * stride + at + 1]]) as i32;
+        let v = _mm_cvtsi32_si128(h(0));
+        let v = _mm_insert_epi16::<1>(v, h(1));
+        let v = _mm_insert_epi16::<2>(v, h(2));
+        let v = _mm_insert_epi16::<3>(v, h(3));
+        let v = _mm_insert_epi16::<4>(v, h(4));
+        let v = _mm_insert_epi16::<5>(v, h(5));
+        let v = _mm_insert_epi16::<6>(v, h(6));
+        let v = _mm256_cvtph_ps(_mm_insert_epi16::<7>(v, h(7)));
+        let group: &mut [f32; 8] = group.try_into().expect("8 values");
+        // SAFETY: `group` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_ps(group.as_mut_ptr(), v) };
+    }
+    for (k, d) in groups.into_remainder().iter_mut().enumerate() {
+        *d = super::int_dot::f16_at(bytes, (done + k) * stride + at);
+    }
+}
+
+/// The 32 values of every Q4_0 / Q4_1 block (16 bytes of nibbles at `at` of each `stride`-byte
+/// block) into `out`, low nibbles first.
+#[target_feature(enable = "avx2")]
+pub(super) fn unpack_nibbles(bytes: &[u8], stride: usize, at: usize, out: &mut [u8]) {
+    let mask = _mm_set1_epi8(0x0F);
+    for (b, values) in out.chunks_exact_mut(BLOCK).enumerate() {
+        let q = load16(bytes, b * stride + at);
+        let v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), mask), _mm_and_si128(q, mask));
+        let values: &mut [u8; 32] = values.try_into().expect("32 values");
+        // SAFETY: `values` is 32 writable bytes; the store is unaligned.
+        unsafe { _mm256_storeu_si256(values.as_mut_ptr().cast(), v) };
+    }
+}
+
+/// The float step of blocks `first..first + 8` with their exact sums `isums` (zero past the
+/// row's last block, where the scales are zero too): lane k gains
+/// `(d_w * d_x) * (isum - offset * sum(q)) (+ m_w * s_x)`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn step(acc: __m256, w: &WeightRow<'_>, x: &InputRow<'_>, first: usize, isums: __m256i) -> __m256 {
+    let mut isums = isums;
+    if w.offset != 0 {
+        let offsets = _mm256_mullo_epi32(i32x8(x.sums, first), _mm256_set1_epi32(w.offset));
+        isums = _mm256_sub_epi32(isums, offsets);
+    }
+    let mut t = _mm256_mul_ps(_mm256_mul_ps(f32x8(w.dw, first), f32x8(x.d, first)), _mm256_cvtepi32_ps(isums));
+    if w.has_min {
+        t = _mm256_add_ps(t, _mm256_mul_ps(f32x8(w.mw, first), f32x8(x.s, first)));
+    }
+    _mm256_add_ps(acc, t)
+}
+
+/// `((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))`, as the portable definition adds its lanes.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn finish(acc: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s)))
+}
+
+/// The row product with `$block` (a block index to its eight-lane byte products), eight blocks
+/// at a time, the last group filled up with zero vectors (a macro, not a function taking a
+/// closure, so that everything compiles inside the caller's `target_feature` function).
+macro_rules! run {
+    ($w:expr, $x:expr, |$b:ident| $block:expr) => {{
+        let (w, x): (&WeightRow<'_>, &InputRow<'_>) = ($w, $x);
+        let nb = x.q.len() / BLOCK;
+        let mut acc = _mm256_setzero_ps();
         let mut first = 0;
         while first + 8 <= nb {
             let v = |k: usize| {
@@ -90,51 +155,51 @@ macro_rules! groups {
             };
             let lo = reduce4(v(0), v(1), v(2), v(3));
             let hi = reduce4(v(4), v(5), v(6), v(7));
-            store_sums(&mut out[first..first + 8], lo, hi);
+            acc = step(acc, w, x, first, _mm256_set_m128i(hi, lo));
             first += 8;
         }
-        while first < nb {
-            let $b = first;
-            out[first] = hsum($block);
-            first += 1;
+        if first < nb {
+            let v = |k: usize| {
+                let $b = first + k;
+                if $b < nb {
+                    $block
+                } else {
+                    _mm256_setzero_si256()
+                }
+            };
+            let lo = reduce4(v(0), v(1), v(2), v(3));
+            let hi = reduce4(v(4), v(5), v(6), v(7));
+            acc = step(acc, w, x, first, _mm256_set_m128i(hi, lo));
         }
+        finish(acc)
     }};
 }
 
-/// The three kernels, for one way of multiplying a block's bytes (`$dot`).
-macro_rules! kernels {
-    ($features:literal, $dot:ident, $i8:ident, $nibbles:ident, $u8:ident) => {
-        /// Block sums of a Q8_0 row (`row`: 34-byte blocks, signed weights) with `x`.
+/// The row product for one way of multiplying a block's bytes (`$dot`).
+macro_rules! row_dot {
+    ($name:ident, $features:literal, $dot:ident) => {
+        /// `w` dotted with `x` (see [`super::int_dot::row_dot_scalar`]).
         #[target_feature(enable = $features)]
-        pub(super) fn $i8(row: &[u8], x: &[i8], out: &mut [i32]) {
-            let x = i8_bytes(x);
-            groups!(out, |b| {
-                let w = load32(row, b * 34 + 2);
-                let xv = load32(x, b * BLOCK);
-                // |w| times x carrying w's sign: unsigned times signed, as the product needs.
-                $dot(_mm256_sign_epi8(w, w), _mm256_sign_epi8(xv, w))
-            });
-        }
-
-        /// Block sums of a Q4_0 / Q4_1 row (`stride`-byte blocks with 16 bytes of nibbles at
-        /// `at`: value j the low nibble of byte j, value j + 16 its high nibble) with `x`.
-        #[target_feature(enable = $features)]
-        pub(super) fn $nibbles(row: &[u8], stride: usize, at: usize, x: &[i8], out: &mut [i32]) {
-            let x = i8_bytes(x);
-            let mask = _mm_set1_epi8(0x0F);
-            groups!(out, |b| {
-                let q = load16(row, b * stride + at);
-                let lo = _mm_and_si128(q, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-                $dot(_mm256_set_m128i(hi, lo), load32(x, b * BLOCK))
-            });
-        }
-
-        /// Block sums of unpacked unsigned weights `w` (each at most 127) with `x`.
-        #[target_feature(enable = $features)]
-        pub(super) fn $u8(w: &[u8], x: &[i8], out: &mut [i32]) {
-            let x = i8_bytes(x);
-            groups!(out, |b| $dot(load32(w, b * BLOCK), load32(x, b * BLOCK)));
+        pub(super) fn $name(w: &WeightRow<'_>, x: &InputRow<'_>) -> f32 {
+            let xb = i8_bytes(x.q);
+            match w.form {
+                IntForm::Q8_0 => run!(w, x, |b| {
+                    let wv = load32(w.bytes, b * 34 + 2);
+                    let xv = load32(xb, b * BLOCK);
+                    // |w| times x carrying w's sign: unsigned times signed, as the product needs.
+                    $dot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
+                }),
+                IntForm::Nibbles { stride, at } => {
+                    let mask = _mm_set1_epi8(0x0F);
+                    run!(w, x, |b| {
+                        let q = load16(w.bytes, b * stride + at);
+                        let lo = _mm_and_si128(q, mask);
+                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+                        $dot(_mm256_set_m128i(hi, lo), load32(xb, b * BLOCK))
+                    })
+                }
+                IntForm::Unpacked => run!(w, x, |b| $dot(load32(w.unpacked, b * BLOCK), load32(xb, b * BLOCK))),
+            }
         }
     };
 }
@@ -145,5 +210,5 @@ fn i8_bytes(x: &[i8]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
 }
 
-kernels!("avx2", dot_avx2, q8_0_avx2, nibbles_avx2, u8_avx2);
-kernels!("avx2,avx512vnni,avx512vl", dot_vnni, q8_0_vnni, nibbles_vnni, u8_vnni);
+row_dot!(row_dot_avx2, "avx2", dot_avx2);
+row_dot!(row_dot_vnni, "avx2,avx512vnni,avx512vl", dot_vnni);
