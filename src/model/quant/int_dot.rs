@@ -269,20 +269,28 @@ fn unpack(ty: GgmlType, bytes: &[u8], scratch: &mut Scratch) {
     }
 }
 
-/// `w` dotted with `x` on `level`.
-pub fn row_dot(level: Level, w: &WeightRow<'_>, x: &InputRow<'_>) -> f32 {
+/// `w` dotted with every row of `xs`, into `out`, on `level`.
+pub fn rows_dot(level: Level, w: &WeightRow<'_>, xs: &[InputRow<'_>], out: &mut [f32]) {
     match level {
-        Level::Scalar => row_dot_scalar(w, x),
+        Level::Scalar => {
+            for (x, o) in xs.iter().zip(out) {
+                *o = row_dot_scalar(w, x);
+            }
+        }
         // SAFETY: `Level::Avx2` is only made by `Level::detect` / `available` after
         // `is_x86_feature_detected!` found avx2 and f16c.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => unsafe { super::x86::row_dot_avx2(w, x) },
+        Level::Avx2 => unsafe { super::x86::rows_dot_avx2(w, xs, out) },
         // SAFETY: `Level::Avx512Vnni` is only made after `is_x86_feature_detected!` found avx2,
         // f16c, avx512vnni and avx512vl.
         #[cfg(target_arch = "x86_64")]
-        Level::Avx512Vnni => unsafe { super::x86::row_dot_vnni(w, x) },
+        Level::Avx512Vnni => unsafe { super::x86::rows_dot_vnni(w, xs, out) },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => row_dot_scalar(w, x),
+        _ => {
+            for (x, o) in xs.iter().zip(out) {
+                *o = row_dot_scalar(w, x);
+            }
+        }
     }
 }
 

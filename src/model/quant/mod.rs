@@ -188,7 +188,8 @@ impl QuantizedWeight {
         // The inputs in 8-bit blocks, once for every part that multiplies in integers.
         let integer = self.parts.iter().any(|p| int_dot::int_form(p.ggml_type).is_some());
         let xq = if integer { Q8Activations::quantize(x, cols) } else { Q8Activations::default() };
-        let inputs = Inputs { x, xq: &xq, m, level };
+        let rows_q = if integer { (0..m).map(|i| InputRow::of(&xq, i)).collect() } else { Vec::new() };
+        let inputs = Inputs { x, rows: rows_q, m, level };
         // [rows, m]: each task writes a contiguous tile; transposed back at the end.
         let mut out_t = vec![0.0f32; rows * m];
         out_t.par_chunks_mut(ROWS_PER_TASK * m).enumerate().for_each_init(
@@ -229,9 +230,7 @@ impl QuantizedWeight {
             let bytes = &part.bytes[local * width..(local + 1) * width];
             if int_dot::int_form(part.ggml_type).is_some() {
                 let row = int_dot::prepare_row(inputs.level, part.ggml_type, bytes, m, scratch);
-                for (i, o) in out.iter_mut().enumerate() {
-                    *o = int_dot::row_dot(inputs.level, &row, &InputRow::of(inputs.xq, i));
-                }
+                int_dot::rows_dot(inputs.level, &row, &inputs.rows, out);
             } else {
                 // Q6_K and the float types: the row dequantized into an L1-resident buffer,
                 // dotted with the f32 inputs.
@@ -248,8 +247,8 @@ impl QuantizedWeight {
 struct Inputs<'a> {
     /// `[m, cols]` in f32 (for the formats without an integer product).
     x: &'a [f32],
-    /// `x` in 8-bit blocks (for the others).
-    xq: &'a Q8Activations,
+    /// `x` in 8-bit blocks, row by row (for the others).
+    rows: Vec<InputRow<'a>>,
     /// Input rows.
     m: usize,
     /// The instruction set of the integer sums.

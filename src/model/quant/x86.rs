@@ -139,66 +139,95 @@ fn finish(acc: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s)))
 }
 
-/// The row product with `$block` (a block index to its eight-lane byte products), eight blocks
-/// at a time, the last group filled up with zero vectors (a macro, not a function taking a
-/// closure, so that everything compiles inside the caller's `target_feature` function).
+/// The products of one weight row with `R` input rows, eight blocks at a time: `$weights` reads
+/// block `$b` of the row once, `$product` multiplies it with each input's bytes `$xv`; the last
+/// group is filled up with zero vectors (a macro, not a function taking closures, so that
+/// everything compiles inside the caller's `target_feature` function).
 macro_rules! run {
-    ($w:expr, $x:expr, |$b:ident| $block:expr) => {{
-        let (w, x): (&WeightRow<'_>, &InputRow<'_>) = ($w, $x);
-        let nb = x.q.len() / BLOCK;
-        let mut acc = _mm256_setzero_ps();
+    ($w:expr, $xs:expr, $out:expr, |$b:ident| $weights:expr, |$wv:ident, $xv:ident| $product:expr) => {{
+        let (w, xs, out): (&WeightRow<'_>, &[InputRow<'_>; R], &mut [f32; R]) = ($w, $xs, $out);
+        let nb = xs[0].q.len() / BLOCK;
+        let xbs: [&[u8]; R] = std::array::from_fn(|r| i8_bytes(xs[r].q));
+        let mut acc = [_mm256_setzero_ps(); R];
         let mut first = 0;
-        while first + 8 <= nb {
-            let v = |k: usize| {
-                let $b = first + k;
-                $block
-            };
-            let lo = reduce4(v(0), v(1), v(2), v(3));
-            let hi = reduce4(v(4), v(5), v(6), v(7));
-            acc = step(acc, w, x, first, _mm256_set_m128i(hi, lo));
+        while first < nb {
+            let mut sums = [[_mm_setzero_si128(); 2]; R];
+            for half in 0..2 {
+                let mut v = [[_mm256_setzero_si256(); 4]; R];
+                for k in 0..4 {
+                    let $b = first + 4 * half + k;
+                    if $b < nb {
+                        let $wv = $weights;
+                        for r in 0..R {
+                            let $xv = load32(xbs[r], $b * BLOCK);
+                            v[r][k] = $product;
+                        }
+                    }
+                }
+                for r in 0..R {
+                    sums[r][half] = reduce4(v[r][0], v[r][1], v[r][2], v[r][3]);
+                }
+            }
+            for r in 0..R {
+                acc[r] = step(acc[r], w, &xs[r], first, _mm256_set_m128i(sums[r][1], sums[r][0]));
+            }
             first += 8;
         }
-        if first < nb {
-            let v = |k: usize| {
-                let $b = first + k;
-                if $b < nb {
-                    $block
-                } else {
-                    _mm256_setzero_si256()
-                }
-            };
-            let lo = reduce4(v(0), v(1), v(2), v(3));
-            let hi = reduce4(v(4), v(5), v(6), v(7));
-            acc = step(acc, w, x, first, _mm256_set_m128i(hi, lo));
+        for r in 0..R {
+            out[r] = finish(acc[r]);
         }
-        finish(acc)
     }};
 }
 
-/// The row product for one way of multiplying a block's bytes (`$dot`).
-macro_rules! row_dot {
-    ($name:ident, $features:literal, $dot:ident) => {
-        /// `w` dotted with `x` (see [`super::int_dot::row_dot_scalar`]).
+/// The row products for one way of multiplying a block's bytes (`$dot`).
+macro_rules! rows_dot {
+    ($name:ident, $blocked:ident, $features:literal, $dot:ident) => {
+        /// `w` dotted with every row of `xs`, into `out` (see
+        /// [`super::int_dot::row_dot_scalar`]), four input rows per pass over the weights.
         #[target_feature(enable = $features)]
-        pub(super) fn $name(w: &WeightRow<'_>, x: &InputRow<'_>) -> f32 {
-            let xb = i8_bytes(x.q);
+        pub(super) fn $name(w: &WeightRow<'_>, xs: &[InputRow<'_>], out: &mut [f32]) {
+            let mut fours = xs.chunks_exact(4).zip(out.chunks_exact_mut(4));
+            for (x, o) in fours.by_ref() {
+                $blocked::<4>(w, x.try_into().expect("4 rows"), o.try_into().expect("4 rows"));
+            }
+            let done = xs.len() / 4 * 4;
+            for (x, o) in xs[done..].iter().zip(&mut out[done..]) {
+                let mut one = [0.0f32];
+                $blocked::<1>(w, std::slice::from_ref(x).try_into().expect("1 row"), &mut one);
+                *o = one[0];
+            }
+        }
+
+        /// `w` dotted with `R` input rows.
+        #[target_feature(enable = $features)]
+        fn $blocked<const R: usize>(w: &WeightRow<'_>, xs: &[InputRow<'_>; R], out: &mut [f32; R]) {
             match w.form {
-                IntForm::Q8_0 => run!(w, x, |b| {
-                    let wv = load32(w.bytes, b * 34 + 2);
-                    let xv = load32(xb, b * BLOCK);
+                IntForm::Q8_0 => run!(
+                    w,
+                    xs,
+                    out,
+                    |b| {
+                        let wv = load32(w.bytes, b * 34 + 2);
+                        (wv, _mm256_sign_epi8(wv, wv))
+                    },
                     // |w| times x carrying w's sign: unsigned times signed, as the product needs.
-                    $dot(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv))
-                }),
+                    |wv, xv| $dot(wv.1, _mm256_sign_epi8(xv, wv.0))
+                ),
                 IntForm::Nibbles { stride, at } => {
                     let mask = _mm_set1_epi8(0x0F);
-                    run!(w, x, |b| {
-                        let q = load16(w.bytes, b * stride + at);
-                        let lo = _mm_and_si128(q, mask);
-                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-                        $dot(_mm256_set_m128i(hi, lo), load32(xb, b * BLOCK))
-                    })
+                    run!(
+                        w,
+                        xs,
+                        out,
+                        |b| {
+                            let q = load16(w.bytes, b * stride + at);
+                            let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+                            _mm256_set_m128i(hi, _mm_and_si128(q, mask))
+                        },
+                        |wv, xv| $dot(wv, xv)
+                    )
                 }
-                IntForm::Unpacked => run!(w, x, |b| $dot(load32(w.unpacked, b * BLOCK), load32(xb, b * BLOCK))),
+                IntForm::Unpacked => run!(w, xs, out, |b| load32(w.unpacked, b * BLOCK), |wv, xv| $dot(wv, xv)),
             }
         }
     };
@@ -210,5 +239,5 @@ fn i8_bytes(x: &[i8]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
 }
 
-row_dot!(row_dot_avx2, "avx2", dot_avx2);
-row_dot!(row_dot_vnni, "avx2,avx512vnni,avx512vl", dot_vnni);
+rows_dot!(rows_dot_avx2, blocked_avx2, "avx2", dot_avx2);
+rows_dot!(rows_dot_vnni, blocked_vnni, "avx2,avx512vnni,avx512vl", dot_vnni);
