@@ -1,6 +1,6 @@
-//! Weight rows in block formats dotted with [`Q8Activations`] in integers, as llama.cpp's
-//! `ggml_vec_dot_*_q8_*` do: per 32-value block the exact `i32` sum of weight times activation
-//! bytes, then one float step per block.
+//! Weight rows in block formats dotted with [`Q16Activations`] in integers, as llama.cpp's
+//! `ggml_vec_dot_*_q8_*` do with 8-bit inputs: per 32-value block the exact `i32` sum of weight
+//! times activation values, then one float step per block.
 //!
 //! The definition ([`row_dot_scalar`]): block `b` contributes
 //! `t = (d_w * d_x) * isum` (plus `m_w * s_x` for the formats with a minimum) to lane `b % 8` of
@@ -17,7 +17,7 @@
 //! is then a block with `d_w = d * scale` and `m_w = -(dmin * min)`, as ggml dequantizes it). Q6_K
 //! (16-value scales) and the float types have no integer product here.
 
-use super::activations::{padded, Q8Activations, BLOCK};
+use super::activations::{padded, Q16Activations, BLOCK};
 use crate::model::gguf::dequant::{scale_min_k4, GgmlType, QK_K};
 
 /// The instruction set the integer products run on.
@@ -104,11 +104,11 @@ pub struct WeightRow<'a> {
     pub mw: &'a [f32],
 }
 
-/// One input row in 8-bit blocks.
+/// One input row in 16-bit blocks.
 #[derive(Clone, Copy, Debug)]
 pub struct InputRow<'a> {
     /// `[cols]`: the values.
-    pub q: &'a [i8],
+    pub q: &'a [i16],
     /// `[padded(blocks)]`: the scales `d_x`, zero in the padding.
     pub d: &'a [f32],
     /// `[padded(blocks)]`: `s_x = d_x * sum(q)`.
@@ -119,7 +119,7 @@ pub struct InputRow<'a> {
 
 impl<'a> InputRow<'a> {
     /// Row `i` of `xq`.
-    pub fn of(xq: &'a Q8Activations, i: usize) -> Self {
+    pub fn of(xq: &'a Q16Activations, i: usize) -> Self {
         let (d, s, sums) = xq.row_scales(i);
         Self { q: xq.row(i), d, s, sums }
     }
@@ -296,7 +296,7 @@ pub fn rows_dot(level: Level, w: &WeightRow<'_>, xs: &[InputRow<'_>], out: &mut 
 
 /// Block `b`'s exact integer sum of `w`'s values (offset not applied) times `x`'s.
 #[inline(always)]
-fn block_sum(w: &WeightRow<'_>, x: &[i8], b: usize) -> i32 {
+fn block_sum(w: &WeightRow<'_>, x: &[i16], b: usize) -> i32 {
     let xb = &x[b * BLOCK..(b + 1) * BLOCK];
     let mut acc = 0i32;
     match w.form {

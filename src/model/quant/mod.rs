@@ -39,7 +39,7 @@ pub mod int_dot;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-use activations::Q8Activations;
+use activations::Q16Activations;
 use int_dot::{InputRow, Level};
 
 /// How the frozen base holds its weights.
@@ -185,9 +185,9 @@ impl QuantizedWeight {
     /// [`Self::fused_xwt`] with the integer sums on `level`.
     fn fused_xwt_on(&self, level: Level, x: &[f32], m: usize) -> Vec<f32> {
         let (rows, cols) = (self.rows, self.cols);
-        // The inputs in 8-bit blocks, once for every part that multiplies in integers.
+        // The inputs in 16-bit blocks, once for every part that multiplies in integers.
         let integer = self.parts.iter().any(|p| int_dot::int_form(p.ggml_type).is_some());
-        let xq = if integer { Q8Activations::quantize(x, cols) } else { Q8Activations::default() };
+        let xq = if integer { Q16Activations::quantize(x, cols) } else { Q16Activations::default() };
         let rows_q = if integer { (0..m).map(|i| InputRow::of(&xq, i)).collect() } else { Vec::new() };
         let inputs = Inputs { x, rows: rows_q, m, level };
         // [rows, m]: each task writes a contiguous tile; transposed back at the end.
@@ -247,7 +247,7 @@ impl QuantizedWeight {
 struct Inputs<'a> {
     /// `[m, cols]` in f32 (for the formats without an integer product).
     x: &'a [f32],
-    /// `x` in 8-bit blocks, row by row (for the others).
+    /// `x` in 16-bit blocks, row by row (for the others).
     rows: Vec<InputRow<'a>>,
     /// Input rows.
     m: usize,
@@ -557,7 +557,7 @@ mod tests {
 
     #[test]
     fn integer_products_are_the_dequantized_weights_times_the_quantized_inputs() {
-        // Exactly what the blocks and the 8-bit inputs encode, summed in f64: only the float
+        // Exactly what the blocks and the 16-bit inputs encode, summed in f64: only the float
         // step's rounding separates the two.
         let (rows, cols) = (9, 512);
         for ty in BLOCK_TYPES {
@@ -565,7 +565,7 @@ mod tests {
             let dense = w.dequantize();
             let m = 3;
             let x = matrix(m, cols, 11);
-            let xq = Q8Activations::quantize(&x, cols);
+            let xq = Q16Activations::quantize(&x, cols);
             let got = w.fused_xwt(&x, m);
             for i in 0..m {
                 for r in 0..rows {
@@ -598,7 +598,7 @@ mod tests {
 
     #[test]
     fn fused_product_matches_the_dequantized_one() {
-        // The 8-bit inputs move each product by at most half a step per input value:
+        // The 16-bit inputs move each product by at most half a step per input value:
         // |sum w (x - d q)| <= sum |w| d / 2.
         let (rows, cols) = (70, 96);
         let parts = vec![quantize_q8_0(&matrix(40, cols, 3), 40, cols), quantize_q8_0(&matrix(30, cols, 4), 30, cols)];
@@ -606,7 +606,7 @@ mod tests {
         let dense = w.dequantize();
         for m in [1, 3, 16] {
             let x = matrix(m, cols, 9);
-            let xq = Q8Activations::quantize(&x, cols);
+            let xq = Q16Activations::quantize(&x, cols);
             let fused = w.fused_xwt(&x, m);
             for i in 0..m {
                 for r in 0..rows {

@@ -1,8 +1,9 @@
-//! [`super::int_dot`]'s row products on x86-64 SIMD: AVX2 (`vpmaddubsw` + `vpmaddwd`) and
-//! AVX-512 VNNI (`vpdpbusd` on 256-bit registers), and the row preparation (F16C for the blocks'
-//! f16 scales, nibbles unpacked). The callers check the CPU's features first.
+//! [`super::int_dot`]'s row products on x86-64 SIMD: AVX2 (`vpmaddwd`) and AVX-512 VNNI
+//! (`vpdpwssd` on 256-bit registers), and the row preparation (F16C for the blocks' f16 scales,
+//! nibbles unpacked). The callers check the CPU's features first.
 //!
-//! A block's 32 byte products land in eight `i32` lanes; eight blocks' vectors are reduced
+//! A block's weights are widened to two vectors of 16 `i16`; its 32 products with the 16-bit
+//! inputs land in eight `i32` lanes; eight blocks' vectors are reduced
 //! together (two rounds of `vphaddd` and one cross-lane add) into one vector of eight exact block
 //! sums, which then takes the float step of [`super::int_dot::row_dot_scalar`] in its eight lanes
 //! (block b in lane b % 8), with the same operations in the same order: the result is the
@@ -21,19 +22,26 @@ fn reduce4(v0: __m256i, v1: __m256i, v2: __m256i, v3: __m256i) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s))
 }
 
-/// Unsigned bytes `w` times signed bytes `x`, four adjacent products summed into each of eight
-/// `i32` lanes (`w` at most 128 and `x` at least -127, so no pair saturates 16 bits).
+/// A block's 32 weights (two vectors of 16 `i16`) times its 32 inputs, products summed in pairs
+/// into eight `i32` lanes (exact: a pair is at most 2 * 128 * 32767).
 #[target_feature(enable = "avx2")]
 #[inline]
-fn dot_avx2(w: __m256i, x: __m256i) -> __m256i {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+fn dot_avx2(w: (__m256i, __m256i), x: (__m256i, __m256i)) -> __m256i {
+    _mm256_add_epi32(_mm256_madd_epi16(w.0, x.0), _mm256_madd_epi16(w.1, x.1))
 }
 
-/// [`dot_avx2`] in one `vpdpbusd`.
+/// [`dot_avx2`] in two `vpdpwssd`.
 #[target_feature(enable = "avx2,avx512vnni,avx512vl")]
 #[inline]
-fn dot_vnni(w: __m256i, x: __m256i) -> __m256i {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+fn dot_vnni(w: (__m256i, __m256i), x: (__m256i, __m256i)) -> __m256i {
+    _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w.0, x.0), w.1, x.1)
+}
+
+/// Sixteen unsigned bytes widened to `i16`.
+#[target_feature(enable = "avx2")]
+#[inline]
+fn widen_u8(v: __m128i) -> __m256i {
+    _mm256_cvtepu8_epi16(v)
 }
 
 /// 32 bytes at `bytes[at..at + 32]`.
@@ -147,7 +155,7 @@ macro_rules! run {
     ($w:expr, $xs:expr, $out:expr, |$b:ident| $weights:expr, |$wv:ident, $xv:ident| $product:expr) => {{
         let (w, xs, out): (&WeightRow<'_>, &[InputRow<'_>; R], &mut [f32; R]) = ($w, $xs, $out);
         let nb = xs[0].q.len() / BLOCK;
-        let xbs: [&[u8]; R] = std::array::from_fn(|r| i8_bytes(xs[r].q));
+        let xbs: [&[u8]; R] = std::array::from_fn(|r| i16_bytes(xs[r].q));
         let mut acc = [_mm256_setzero_ps(); R];
         let mut first = 0;
         while first < nb {
@@ -159,7 +167,7 @@ macro_rules! run {
                     if $b < nb {
                         let $wv = $weights;
                         for r in 0..R {
-                            let $xv = load32(xbs[r], $b * BLOCK);
+                            let $xv = (load32(xbs[r], $b * 2 * BLOCK), load32(xbs[r], $b * 2 * BLOCK + 32));
                             v[r][k] = $product;
                         }
                     }
@@ -206,12 +214,11 @@ macro_rules! rows_dot {
                     w,
                     xs,
                     out,
-                    |b| {
-                        let wv = load32(w.bytes, b * 34 + 2);
-                        (wv, _mm256_sign_epi8(wv, wv))
-                    },
-                    // |w| times x carrying w's sign: unsigned times signed, as the product needs.
-                    |wv, xv| $dot(wv.1, _mm256_sign_epi8(xv, wv.0))
+                    |b| (
+                        _mm256_cvtepi8_epi16(load16(w.bytes, b * 34 + 2)),
+                        _mm256_cvtepi8_epi16(load16(w.bytes, b * 34 + 18))
+                    ),
+                    |wv, xv| $dot(wv, xv)
                 ),
                 IntForm::Nibbles { stride, at } => {
                     let mask = _mm_set1_epi8(0x0F);
@@ -222,21 +229,28 @@ macro_rules! rows_dot {
                         |b| {
                             let q = load16(w.bytes, b * stride + at);
                             let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-                            _mm256_set_m128i(hi, _mm_and_si128(q, mask))
+                            (widen_u8(_mm_and_si128(q, mask)), widen_u8(hi))
                         },
                         |wv, xv| $dot(wv, xv)
                     )
                 }
-                IntForm::Unpacked => run!(w, xs, out, |b| load32(w.unpacked, b * BLOCK), |wv, xv| $dot(wv, xv)),
+                IntForm::Unpacked => run!(
+                    w,
+                    xs,
+                    out,
+                    |b| (widen_u8(load16(w.unpacked, b * BLOCK)), widen_u8(load16(w.unpacked, b * BLOCK + 16))),
+                    |wv, xv| $dot(wv, xv)
+                ),
             }
         }
     };
 }
 
 /// The activations' bytes, for the byte loads.
-fn i8_bytes(x: &[i8]) -> &[u8] {
-    // SAFETY: i8 and u8 have the same size and alignment, and every bit pattern is valid in both.
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), x.len()) }
+fn i16_bytes(x: &[i16]) -> &[u8] {
+    // SAFETY: the `2 * x.len()` bytes of `x` are initialised and readable, u8 has no alignment
+    // requirement, and every bit pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast(), 2 * x.len()) }
 }
 
 rows_dot!(rows_dot_avx2, blocked_avx2, "avx2", dot_avx2);
