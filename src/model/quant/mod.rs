@@ -6,15 +6,17 @@
 //! (`flex`) backend, with a hand-written autodiff backward: the base gets no gradient, the input
 //! gets `dx = dy W`, so LoRA adapters on top of the quantized base train as on the f32 one.
 //!
-//! - Few rows (decoding, `m <= FUSED_MAX_ROWS`): each weight row is read once, in its block
-//!   format only (the memory traffic that bounds decoding), and dotted with every input row:
-//!   Q8_0, Q4_0 and Q4_1 directly on their blocks, the other types through one dequantized row
-//!   in an L1-resident buffer.
+//! - Few rows (decoding, `m <= FUSED_MAX_ROWS`): the inputs are rounded to 16-bit blocks
+//!   ([`activations`]) and each weight row, read once in its block format (the memory traffic
+//!   that bounds decoding), is dotted with every input row in integers ([`int_dot`], SIMD in
+//!   `x86`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K; Q6_K and the float types through one
+//!   dequantized row in an L1-resident buffer and f32 inputs.
 //! - Many rows (prefill, scoring, training): the matrix is dequantized into a transient f32
 //!   buffer and multiplied by burn's f32 GEMM, whose cost then dominates.
 //!
 //! Dequantization is ggml's, bit for bit ([`super::gguf::dequant`]), so the kept-quantized base
-//! computes with exactly the weights of the dequantized one; only the order of the sums differs.
+//! computes with exactly the weights of the dequantized one: with many rows only the order of the
+//! sums differs, with few rows also the inputs' rounding to 16 bits.
 
 use std::sync::Arc;
 
