@@ -70,7 +70,9 @@ fn logprobs_and_chat_generation_read_the_file() {
     assert_eq!(out["input_ids"], case["input_ids"]);
     let diff = common::max_abs_diff(&common::floats(&out["logprobs"]), &common::floats(&case["logprobs"]));
     assert!(diff < 1e-4, "{diff}");
-    // Kept quantized, the same weights in their block formats.
+    // Kept quantized, the same weights in their block formats; this short text is scored with few
+    // rows per product, so its inputs are also rounded to 16-bit blocks (measured: 2.8e-4; the
+    // few-row tolerance of tests/quantized.rs).
     let quantized = json_stdout(&troupe(&[
         "logprobs",
         "--model",
@@ -81,7 +83,7 @@ fn logprobs_and_chat_generation_read_the_file() {
     ]));
     assert_eq!(quantized["input_ids"], case["input_ids"]);
     let diff = common::max_abs_diff(&common::floats(&quantized["logprobs"]), &common::floats(&case["logprobs"]));
-    assert!(diff < 1e-4, "--quantized: {diff}");
+    assert!(diff < 1e-3, "--quantized: {diff}");
     let out = json_stdout(&troupe(&[
         "generate",
         "--model",

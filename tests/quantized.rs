@@ -18,9 +18,17 @@ use troupe::model::quant::quantized_linear;
 use troupe::model::{BaseFormat, Model};
 
 /// Kept quantized and dequantized, the base computes with the same weights (ggml's
-/// dequantization, bit for bit); only the order of the sums differs. Measured on these fixtures:
-/// at most 3.8e-6 (tiny-llama) and 1.1e-5 (kquants-llama), see the `eprintln!` lines.
+/// dequantization, bit for bit); with many rows per product (prefill, scoring, training: the
+/// dequantized matrix and burn's GEMM) only the order of the sums differs. Measured on these
+/// fixtures: at most 3.8e-6 (tiny-llama) and 1.1e-5 (kquants-llama), see the `eprintln!` lines.
 const SAME_WEIGHTS_TOLERANCE: f32 = 5e-5;
+
+/// With few rows per product (decoding, `FUSED_MAX_ROWS`) the inputs are also rounded to 16 bits
+/// per 32-value block and multiplied in integers (`src/model/quant/activations.rs`). Measured on
+/// these random-weight fixtures (whose outputs swing with small changes): at most 1.9e-4
+/// (tiny-llama), 1.4e-4 (tiny-qwen2), 2.3e-4 (tiny-qwen3) and 2.8e-4 (kquants-llama); on SmolLM2
+/// the same products stay within 9.2e-4 of transformers (`tests/gguf_smollm2.rs`).
+const FEW_ROWS_TOLERANCE: f32 = 1e-3;
 
 fn gguf(name: &str) -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/gguf")).join(name)
@@ -60,15 +68,18 @@ fn kept_quantized_gguf_matches_the_dequantized_base() {
             let reference = max_abs_diff(b, &floats(&case["logprobs"]));
             assert!(reference < 1e-4, "{name}: kept-quantized log-probs {reference} from transformers");
         }
+        eprintln!("{name}: kept-quantized vs dequantized log-probs (many rows) differ by at most {worst:.1e}");
+        assert!(worst < SAME_WEIGHTS_TOLERANCE, "{name}: {worst}");
+        let mut worst_few = 0.0f32;
         for row in &cases {
             let short = &row[..row.len().min(6)];
             let a = score_rows(&dense.lm, &[short.to_vec()], None).unwrap().remove(0);
             let b = score_rows(&quantized.lm, &[short.to_vec()], None).unwrap().remove(0);
-            worst = worst.max(max_abs_diff(&a, &b));
+            worst_few = worst_few.max(max_abs_diff(&a, &b));
             assert_eq!(greedy(&dense, row, 8), greedy(&quantized, row, 8), "{name}: greedy tokens");
         }
-        eprintln!("{name}: kept-quantized vs dequantized log-probs differ by at most {worst:.1e}");
-        assert!(worst < SAME_WEIGHTS_TOLERANCE, "{name}: {worst}");
+        eprintln!("{name}: kept-quantized vs dequantized log-probs (few rows) differ by at most {worst_few:.1e}");
+        assert!(worst_few < FEW_ROWS_TOLERANCE, "{name}: {worst_few}");
         assert_eq!(
             troupe::model::fingerprint::base_fingerprint(&dense.lm),
             troupe::model::fingerprint::base_fingerprint(&quantized.lm),

@@ -251,7 +251,7 @@ fn q5_1(b: &[u8], out: &mut [f32]) {
 /// ggml's `get_scale_min_k4`: the six-bit scale and minimum of sub-block `j` (0..8) of a Q4_K /
 /// Q5_K super-block from its 12 packed bytes.
 #[inline(always)]
-fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
