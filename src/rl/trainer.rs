@@ -255,6 +255,7 @@ impl MagrpoTrainer {
             temperature: f64::from(self.settings.rollout.sampling.temperature),
             choice_score: self.settings.rollout.choice_score,
             max_new_tokens: self.settings.rollout.max_new_tokens,
+            skip_zero_advantage: true,
         }
     }
 
