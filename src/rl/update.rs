@@ -4,6 +4,7 @@
 //! optimizer is its own phase ([`super::optimizer`]).
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use burn::tensor::{Tensor, TensorData};
 
@@ -16,6 +17,7 @@ use crate::error::{Result, TroupeError};
 use crate::generate::choice::{candidate_logliks, choice_log_policy, chosen_indices, ChoiceScore, PackedChoices};
 use crate::generate::{completion_logprobs, ScoringBatch};
 use crate::model::Model;
+use crate::profile::{self, Phase};
 
 /// Log-probability given to absent candidates of a padded `choice` row (far below any present).
 const ABSENT_LOGPROB: f32 = -1.0e9;
@@ -186,6 +188,7 @@ impl Scorer<'_> {
         // Forward, then a backward of twice its work, for the rows run.
         pass.flops = 3.0 * replies.iter().chain(&choices).flat_map(|(_, c)| c).map(|r| self.row_flops(r)).sum::<f64>();
         for (chunk_index, chunk) in &replies {
+            let started = Instant::now();
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
             let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ *chunk_index as u64)?;
             let tokens: Vec<Vec<u32>> = chunk.iter().map(|r| r.tokens.clone()).collect();
@@ -219,9 +222,10 @@ impl Scorer<'_> {
             });
             let (loss, stats) = objective.token_loss(logprobs, &terms, reference)?;
             pass.stats.add(&stats);
-            accumulate(&mut pass, loss, &used)?;
+            accumulate(&mut pass, loss, &used, started)?;
         }
         for (chunk_index, chunk) in &choices {
+            let started = Instant::now();
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
             let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ (1 << 32) ^ *chunk_index as u64)?;
             let decisions = decisions(chunk);
@@ -250,7 +254,7 @@ impl Scorer<'_> {
             let (loss, stats) =
                 objective.choice_loss(log_policy, chosen_indices(&chosen, &device), &terms, reference)?;
             pass.stats.add(&stats);
-            accumulate(&mut pass, loss, &used)?;
+            accumulate(&mut pass, loss, &used, started)?;
         }
         // Scoring every row gives every adapter with a row a gradient, zero where none of its
         // rows carries any: keep that, so the optimizer steps the same adapters.
@@ -309,9 +313,17 @@ fn decisions<'b>(chunk: &[&'b TrainRow]) -> Vec<(&'b [u32], &'b [Vec<u32>])> {
         .collect()
 }
 
-/// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums.
-fn accumulate(pass: &mut GradientPass, loss: Tensor<1>, used: &BTreeMap<String, LoraAdapter>) -> Result<()> {
+/// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums. The forward pass
+/// (begun at `started`) ends when the loss is read; the rest is the backward pass.
+fn accumulate(
+    pass: &mut GradientPass,
+    loss: Tensor<1>,
+    used: &BTreeMap<String, LoraAdapter>,
+    started: Instant,
+) -> Result<()> {
     let value: f32 = loss.clone().into_scalar();
+    profile::since(Phase::UpdateForward, started);
+    let backward_started = Instant::now();
     if !value.is_finite() {
         return Err(TroupeError::NonFinite { message: format!("the loss is {value}; stopped before any update") });
     }
@@ -329,6 +341,7 @@ fn accumulate(pass: &mut GradientPass, loss: Tensor<1>, used: &BTreeMap<String, 
             pass.grads.insert(name.clone(), summed);
         }
     }
+    profile::since(Phase::Backward, backward_started);
     Ok(())
 }
 
