@@ -12,6 +12,7 @@ pub mod error;
 pub mod fsutil;
 pub mod generate;
 pub mod model;
+pub mod profile;
 pub mod rl;
 
 pub use error::{Result, TroupeError};

@@ -69,6 +69,13 @@ pub fn adapter_grads(trainable: &LoraAdapter, grads: &Gradients) -> Option<Adapt
     any.then_some(out)
 }
 
+/// All-zero gradients for every factor of `adapter` (outside autodiff): what
+/// [`adapter_grads`] reads for an adapter whose rows all had a zero loss weight.
+pub fn zero_grads(adapter: &LoraAdapter) -> AdapterGrads {
+    let zeros = |t: &Tensor<2>| Tensor::zeros(t.dims(), &t.device()).without_autodiff();
+    adapter.pairs.iter().map(|(site, pair)| (*site, (zeros(&pair.a), zeros(&pair.b)))).collect()
+}
+
 /// Squared L2 norm of all gradients of one adapter.
 pub fn grad_norm_squared(grads: &AdapterGrads) -> f64 {
     grads

@@ -14,6 +14,7 @@ use troupe_envs::Registry;
 
 use crate::error::TroupeError;
 use crate::rl::config::TrainConfig;
+use crate::rl::metrics::IterationMetrics;
 use crate::rl::run::TrainingRun;
 
 /// Arguments of `troupe train`.
@@ -39,6 +40,11 @@ pub struct TrainArgs {
     /// Keep the base quantized: `--set model.quantized=true`.
     #[arg(long, conflicts_with = "resume")]
     pub quantized: bool,
+    /// After the run, print on stderr a table of seconds per phase per iteration (rollout
+    /// prefill and decode, environments, credit, update forward and backward, optimizer,
+    /// evaluation, checkpoint); the same figures are `seconds_*` keys of `metrics.jsonl`.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// Runs (or resumes) the training run with the environments and policies of `registry`; prints
@@ -91,6 +97,7 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
     bar.enable_steady_tick(Duration::from_millis(250));
     tracing::info!(run_dir = %run.run_dir.display(), from = run.iteration(), to = total, "training");
     let mut last = None;
+    let mut profiled = Vec::new();
     while !run.finished() {
         let metrics = match run.run_iteration() {
             Ok(m) => m,
@@ -131,9 +138,15 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
                 bar.println(line);
             }
         }
+        if args.profile {
+            profiled.push(ProfileRow::new(&metrics, run.checkpoint_seconds));
+        }
         last = Some(metrics);
     }
     bar.finish();
+    if args.profile {
+        eprint!("{}", profile_table(&profiled));
+    }
     let plots = match crate::rl::plot::plot_run(&run.run_dir) {
         Ok(paths) => paths,
         Err(err) => {
@@ -150,4 +163,98 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
     });
     println!("{}", serde_json::to_string_pretty(&summary)?);
     Ok(())
+}
+
+/// One iteration's seconds per phase, as the `--profile` table shows them.
+#[derive(Clone, Debug, PartialEq)]
+struct ProfileRow {
+    iteration: u64,
+    /// In table order: prefill, decode, env, credit, forward, backward, optimizer, eval,
+    /// checkpoint, other, total.
+    seconds: [f64; 11],
+}
+
+/// The `--profile` table's column headers, in [`ProfileRow::seconds`] order.
+const PROFILE_COLUMNS: [&str; 11] =
+    ["prefill", "decode", "env", "credit", "forward", "backward", "optimizer", "eval", "checkpoint", "other", "total"];
+
+impl ProfileRow {
+    /// The row of one metrics line and the checkpoint written after it. `env` is the rollout
+    /// less its generation (environment steps, prompts, parsing); `credit` is rewards,
+    /// advantages and the KL reference; `other` is what no phase timer covers (the update's
+    /// batching, the format warm-up, metrics); `total` the iteration with its checkpoint.
+    fn new(metrics: &IterationMetrics, checkpoint: f64) -> Self {
+        let get = |key: &str| metrics.extra.get(&format!("seconds_{key}")).copied().unwrap_or(0.0);
+        let (prefill, decode) = (get("prefill"), get("decode"));
+        let env = (get("rollout") - prefill - decode).max(0.0);
+        let total = metrics.seconds + checkpoint;
+        let mut seconds = [
+            prefill,
+            decode,
+            env,
+            get("credit"),
+            get("update_forward"),
+            get("backward"),
+            get("optimizer"),
+            get("eval"),
+            checkpoint,
+            0.0,
+            total,
+        ];
+        seconds[9] = (total - seconds[..9].iter().sum::<f64>()).max(0.0);
+        Self { iteration: metrics.iteration, seconds }
+    }
+}
+
+/// The `--profile` table: one line per iteration and their mean.
+fn profile_table(rows: &[ProfileRow]) -> String {
+    let mut out = String::from("seconds per phase and iteration (troupe train --profile)\n");
+    out += &format!("{:>9}", "iteration");
+    for column in PROFILE_COLUMNS {
+        out += &format!(" {column:>10}");
+    }
+    out.push('\n');
+    let mut line = |label: String, seconds: &[f64; 11]| {
+        out += &format!("{label:>9}");
+        for s in seconds {
+            out += &format!(" {s:>10.3}");
+        }
+        out.push('\n');
+    };
+    for row in rows {
+        line(row.iteration.to_string(), &row.seconds);
+    }
+    if !rows.is_empty() {
+        let mut mean = [0.0; 11];
+        for row in rows {
+            for (m, s) in mean.iter_mut().zip(&row.seconds) {
+                *m += s / rows.len() as f64;
+            }
+        }
+        line("mean".to_string(), &mean);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_profile_splits_the_rollout_and_keeps_the_total() {
+        let mut metrics = IterationMetrics { iteration: 3, seconds: 10.0, ..IterationMetrics::default() };
+        for (key, value) in
+            [("rollout", 6.0), ("prefill", 1.0), ("decode", 4.0), ("credit", 0.5), ("update_forward", 1.0)]
+        {
+            metrics.extra.insert(format!("seconds_{key}"), value);
+        }
+        for (key, value) in [("backward", 2.0), ("optimizer", 0.25)] {
+            metrics.extra.insert(format!("seconds_{key}"), value);
+        }
+        let row = ProfileRow::new(&metrics, 0.5);
+        assert_eq!(row.seconds, [1.0, 4.0, 1.0, 0.5, 1.0, 2.0, 0.25, 0.0, 0.5, 0.25, 10.5]);
+        let table = profile_table(&[row.clone(), row]);
+        assert!(table.lines().nth(1).unwrap().contains("prefill"), "{table}");
+        assert!(table.lines().last().unwrap().trim_start().starts_with("mean"), "{table}");
+    }
 }

@@ -185,7 +185,9 @@ pub fn generate_rows(
         if options.use_cache { (Vec::new(), Vec::new()) } else { (padded.clone(), valid.clone()) };
     let mut step_tokens = padded;
     let mut step_valid = valid;
+    let mut phase = crate::profile::Phase::Prefill;
     while done.iter().any(|d| !d) {
+        let step_started = std::time::Instant::now();
         let last_hidden = if options.use_cache {
             let tokens = lm.token_tensor(&step_tokens)?;
             let attention = layout.step(&step_valid, &device);
@@ -242,6 +244,8 @@ pub fn generate_rows(
                 history_valid[row].push(real);
             }
         }
+        crate::profile::since(phase, step_started);
+        phase = crate::profile::Phase::Decode;
     }
     Ok(outputs)
 }

@@ -38,6 +38,9 @@ pub struct TrainingRun {
     pub trainer: MagrpoTrainer,
     /// The newest checkpoint on disk, as (iteration, directory).
     pub last_checkpoint: (u64, PathBuf),
+    /// Seconds the last [`TrainingRun::run_iteration`] spent writing a checkpoint (0 when it
+    /// wrote none); not in `metrics.jsonl`, whose line is written before the checkpoint.
+    pub checkpoint_seconds: f64,
     metrics: MetricsWriter,
     /// Held for the run's life: no second trainer in this directory.
     _lock: RunLock,
@@ -123,7 +126,7 @@ impl TrainingRun {
         let metrics = MetricsWriter::open(&run_dir)?;
         let state = trainer.state();
         let dir = save_checkpoint(&run_dir, 0, &trainer.manager, &state.optimizer_states, &state.rng)?;
-        Ok(Self { run_dir, config, trainer, last_checkpoint: (0, dir), metrics, _lock: lock })
+        Ok(Self { run_dir, config, trainer, last_checkpoint: (0, dir), checkpoint_seconds: 0.0, metrics, _lock: lock })
     }
 
     /// Continues the run in `run_dir` from its newest complete checkpoint. `overrides`
@@ -187,6 +190,7 @@ impl TrainingRun {
             config,
             trainer,
             last_checkpoint: (checkpoint.iteration, dir),
+            checkpoint_seconds: 0.0,
             metrics,
             _lock: lock,
         })
@@ -255,8 +259,11 @@ impl TrainingRun {
             metrics.seconds += started.elapsed().as_secs_f64();
         }
         self.metrics.append(&metrics)?;
+        self.checkpoint_seconds = 0.0;
         if iteration % self.config.run.checkpoint_every as u64 == 0 || iteration >= self.config.run.iterations as u64 {
+            let started = std::time::Instant::now();
             self.checkpoint()?;
+            self.checkpoint_seconds = started.elapsed().as_secs_f64();
         }
         Ok(metrics)
     }

@@ -109,7 +109,8 @@ pub struct IterationStats {
     pub mean_episode_steps: f64,
     /// Wall time of each phase: `rollout` (generation or scoring, environments), `credit`
     /// (rewards, advantages, the KL reference), `update` (the loss's forward and backward
-    /// passes) and `optimizer` (clipping and AdamW).
+    /// passes) and `optimizer` (clipping and AdamW); and inside them ([`crate::profile`]):
+    /// `prefill` and `decode` (of `rollout`), `update_forward` and `backward` (of `update`).
     pub phase_seconds: BTreeMap<String, f64>,
     /// Useful floating-point work of the `rollout` and `update` phases ([`super::flops`]).
     pub phase_flops: BTreeMap<String, f64>,
@@ -279,6 +280,7 @@ impl MagrpoTrainer {
             temperature: f64::from(self.settings.rollout.sampling.temperature),
             choice_score: self.settings.rollout.choice_score,
             max_new_tokens: self.settings.rollout.max_new_tokens,
+            skip_zero_advantage: true,
         }
     }
 
@@ -407,6 +409,8 @@ impl MagrpoTrainer {
     /// iteration, then play the plan's episodes ([`MagrpoTrainer::play`], here or in other
     /// processes with the same base and adapters) and hand them to [`MagrpoTrainer::learn`].
     pub fn plan(&mut self) -> RolloutPlan {
+        // The iteration's phase timers start here (what ran before, a warm-up, is not counted).
+        crate::profile::take();
         let iteration_seed: u64 = self.rng.random();
         let mut rollout_rng = ChaCha8Rng::seed_from_u64(iteration_seed);
         let starts: Vec<u64> = (0..self.settings.groups_per_iteration).map(|_| rollout_rng.random()).collect();
@@ -591,6 +595,7 @@ impl MagrpoTrainer {
         let invalid: usize = episodes.iter().map(|e| e.turns.iter().filter(|t| t.invalid).count()).sum();
         let scores: Vec<f64> = episodes.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
         let steps: Vec<f64> = episodes.iter().map(|e| e.steps as f64).collect();
+        let timed = crate::profile::take();
         Ok(IterationStats {
             iteration,
             mean_return,
@@ -612,6 +617,7 @@ impl MagrpoTrainer {
                 ("optimizer", optimizer_seconds),
             ]
             .into_iter()
+            .chain(crate::profile::Phase::ALL.into_iter().map(|p| (p.name(), timed[p as usize])))
             .map(|(k, v)| (k.to_string(), v))
             .collect(),
             phase_flops: [("rollout".to_string(), rollout_flops), ("update".to_string(), update_flops)]

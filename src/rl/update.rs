@@ -4,18 +4,20 @@
 //! optimizer is its own phase ([`super::optimizer`]).
 
 use std::collections::BTreeMap;
+use std::time::Instant;
 
 use burn::tensor::{Tensor, TensorData};
 
 use super::batch::{TrainBatch, TrainRow};
 use super::flops::FlopModel;
 use super::objective::{LossStats, Objective, RowTerms};
-use crate::adapters::optim::{adapter_grads, AdapterGrads};
+use crate::adapters::optim::{adapter_grads, zero_grads, AdapterGrads};
 use crate::adapters::{AdapterMode, LoraAdapter, MultiAdapterManager};
 use crate::error::{Result, TroupeError};
 use crate::generate::choice::{candidate_logliks, choice_log_policy, chosen_indices, ChoiceScore, PackedChoices};
 use crate::generate::{completion_logprobs, ScoringBatch};
 use crate::model::Model;
+use crate::profile::{self, Phase};
 
 /// Log-probability given to absent candidates of a padded `choice` row (far below any present).
 const ABSENT_LOGPROB: f32 = -1.0e9;
@@ -35,6 +37,10 @@ pub struct Scorer<'a> {
     pub choice_score: ChoiceScore,
     /// The longest reply (`action.max_new_tokens`; the `constant` normalisation's unit count).
     pub max_new_tokens: usize,
+    /// Leave out of the forward and backward passes the rows that carry no gradient: those of
+    /// zero advantage when the KL penalty is off ([`Scorer::gradients`]). `false` scores every
+    /// row (the reference the skipping is tested against).
+    pub skip_zero_advantage: bool,
 }
 
 /// What one gradient pass over a batch produced.
@@ -96,9 +102,48 @@ impl Scorer<'_> {
         Ok(())
     }
 
+    /// The micro-batches a gradient pass runs, each with the index that seeds its dropout
+    /// masks: today's chunks ([`Scorer::chunks`]) of replies then decisions, less the rows that
+    /// carry no gradient when `skip`. Without dropout the kept rows are chunked afresh, so
+    /// fewer micro-batches run; with dropout only chunks whose every row is skipped are left
+    /// out, so every kept row sees the masks it would have seen.
+    #[allow(clippy::type_complexity)]
+    fn planned<'b>(
+        &self,
+        batch: &'b TrainBatch,
+        skip: bool,
+    ) -> (Vec<(usize, Vec<&'b TrainRow>)>, Vec<(usize, Vec<&'b TrainRow>)>) {
+        let (replies, choices) = self.chunks(batch);
+        let dropout =
+            batch.rows.iter().any(|r| self.manager.adapter(r.agent).is_ok_and(|a| a.config.lora_dropout > 0.0));
+        let micro = self.micro_batch_rows.max(1);
+        let plan = |chunks: Vec<Vec<&'b TrainRow>>| -> Vec<(usize, Vec<&'b TrainRow>)> {
+            if !skip {
+                return chunks.into_iter().enumerate().collect();
+            }
+            if dropout {
+                return chunks.into_iter().enumerate().filter(|(_, c)| c.iter().any(|r| r.advantage != 0.0)).collect();
+            }
+            let kept: Vec<&TrainRow> = chunks.into_iter().flatten().filter(|r| r.advantage != 0.0).collect();
+            kept.chunks(micro).map(<[_]>::to_vec).enumerate().collect()
+        };
+        (plan(replies), plan(choices))
+    }
+
     /// The summed gradients of `objective`'s loss over `batch`. `seed` drives adapter dropout.
-    /// Every row is scored, even one with zero advantage: its log-probs are what reveal a
-    /// diverged (non-finite) adapter before any update.
+    ///
+    /// With the KL penalty off, a row of zero advantage adds exactly zero to the loss and to
+    /// every gradient (MAGRPO's `-A log p` and the clipped surrogate are both 0 at `A = 0`;
+    /// the normalising denominators count every row's units either way). With
+    /// [`Scorer::skip_zero_advantage`] such rows are not scored, a micro-batch left empty is
+    /// not run, and a batch of zero advantages runs no forward or backward pass at all. Every
+    /// adapter that scoring every row would have given a gradient still gets one (zeros for an
+    /// agent none of whose rows was run), so the optimizer steps the same adapters: AdamW with
+    /// a zero gradient still decays its moments and moves by them, and that step is kept
+    /// byte for byte. A skipped row's non-finite sampled log-prob stops the pass as its loss
+    /// would have (the adapter that scores it is the one that sampled it). The clipped
+    /// objective counts a skipped row's units as measured and unclipped (as TRL counts a zero
+    /// advantage: never clipped); on the first epoch its ratio is 1, so nothing changes there.
     pub fn gradients(&self, batch: &TrainBatch, objective: &Objective, seed: u64) -> Result<GradientPass> {
         let units_per_agent = batch.units_per_agent();
         let rows_per_agent = batch.rows_per_agent();
@@ -124,12 +169,28 @@ impl Scorer<'_> {
             stats: LossStats::default(),
             units_per_agent: units_per_agent.clone(),
         };
-        // Forward, then a backward of twice its work.
-        pass.flops = 3.0 * self.forward_flops(batch);
-        let (replies, choices) = self.chunks(batch);
-        for (chunk_index, chunk) in replies.iter().enumerate() {
+        self.check_sampled(&batch.rows.iter().collect::<Vec<_>>(), objective)?;
+        let skip = self.skip_zero_advantage && !with_reference;
+        for row in batch.rows.iter().filter(|r| skip && r.advantage == 0.0) {
+            if let Some(value) = row.sampling_logprobs.iter().find(|v| !v.is_finite()) {
+                return Err(TroupeError::NonFinite {
+                    message: format!(
+                        "a reply of agent {} was sampled with log-prob {value}; stopped before any update",
+                        row.agent
+                    ),
+                });
+            }
+            if objective.config.kind == super::objective::ObjectiveKind::Clipped {
+                pass.stats.ratio_units += row.units();
+            }
+        }
+        let (replies, choices) = self.planned(batch, skip);
+        // Forward, then a backward of twice its work, for the rows run.
+        pass.flops = 3.0 * replies.iter().chain(&choices).flat_map(|(_, c)| c).map(|r| self.row_flops(r)).sum::<f64>();
+        for (chunk_index, chunk) in &replies {
+            let started = Instant::now();
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
-            let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ chunk_index as u64)?;
+            let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ *chunk_index as u64)?;
             let tokens: Vec<Vec<u32>> = chunk.iter().map(|r| r.tokens.clone()).collect();
             let from: Vec<usize> = chunk.iter().map(|r| r.prompt_len).collect();
             let scoring = ScoringBatch::new(&self.model.lm, &tokens)?;
@@ -156,17 +217,17 @@ impl Scorer<'_> {
                 }
                 terms.counted.push(counted);
             }
-            self.check_sampled(chunk, objective)?;
             let reference = with_reference.then(|| {
                 Tensor::<2>::from_data(TensorData::new(reference, [chunk.len(), positions]), &logprobs.device())
             });
             let (loss, stats) = objective.token_loss(logprobs, &terms, reference)?;
             pass.stats.add(&stats);
-            accumulate(&mut pass, loss, &used)?;
+            accumulate(&mut pass, loss, &used, started)?;
         }
-        for (chunk_index, chunk) in choices.iter().enumerate() {
+        for (chunk_index, chunk) in &choices {
+            let started = Instant::now();
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
-            let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ (1 << 32) ^ chunk_index as u64)?;
+            let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ (1 << 32) ^ *chunk_index as u64)?;
             let decisions = decisions(chunk);
             let packed = PackedChoices::new(&self.model.lm, &decisions)?;
             let log_policy = choice_log_policy(
@@ -182,7 +243,6 @@ impl Scorer<'_> {
                 counted: vec![vec![true]; chunk.len()],
                 sampled: chunk.iter().map(|r| vec![r.sampling_logprobs.first().copied().unwrap_or(0.0)]).collect(),
             };
-            self.check_sampled(chunk, objective)?;
             let reference = with_reference.then(|| {
                 let mut values = Vec::with_capacity(chunk.len() * width);
                 for row in chunk {
@@ -194,7 +254,16 @@ impl Scorer<'_> {
             let (loss, stats) =
                 objective.choice_loss(log_policy, chosen_indices(&chosen, &device), &terms, reference)?;
             pass.stats.add(&stats);
-            accumulate(&mut pass, loss, &used)?;
+            accumulate(&mut pass, loss, &used, started)?;
+        }
+        // Scoring every row gives every adapter with a row a gradient, zero where none of its
+        // rows carries any: keep that, so the optimizer steps the same adapters.
+        for row in &batch.rows {
+            let name = self.manager.adapter_name(row.agent)?;
+            if !pass.grads.contains_key(name) {
+                let adapter = self.manager.adapter(row.agent)?;
+                pass.grads.insert(name.to_string(), zero_grads(adapter));
+            }
         }
         Ok(pass)
     }
@@ -244,9 +313,17 @@ fn decisions<'b>(chunk: &[&'b TrainRow]) -> Vec<(&'b [u32], &'b [Vec<u32>])> {
         .collect()
 }
 
-/// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums.
-fn accumulate(pass: &mut GradientPass, loss: Tensor<1>, used: &BTreeMap<String, LoraAdapter>) -> Result<()> {
+/// Checks `loss`, adds it to `pass` and its gradients to the adapters' sums. The forward pass
+/// (begun at `started`) ends when the loss is read; the rest is the backward pass.
+fn accumulate(
+    pass: &mut GradientPass,
+    loss: Tensor<1>,
+    used: &BTreeMap<String, LoraAdapter>,
+    started: Instant,
+) -> Result<()> {
     let value: f32 = loss.clone().into_scalar();
+    profile::since(Phase::UpdateForward, started);
+    let backward_started = Instant::now();
     if !value.is_finite() {
         return Err(TroupeError::NonFinite { message: format!("the loss is {value}; stopped before any update") });
     }
@@ -264,5 +341,219 @@ fn accumulate(pass: &mut GradientPass, loss: Tensor<1>, used: &BTreeMap<String, 
             pass.grads.insert(name.clone(), summed);
         }
     }
+    profile::since(Phase::Backward, backward_started);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapters::{AdamWConfig, AdamWState, AdapterConfig};
+    use crate::model::{Model, Preset};
+    use crate::rl::objective::{KlEstimator, KlPenalty, ObjectiveConfig, ObjectiveKind};
+    use burn::tensor::Device;
+
+    /// The tiny model with two agents whose B factors are non-zero (so A gets a gradient).
+    fn setup(lora_dropout: f64) -> (Model, MultiAdapterManager) {
+        let device = Device::flex();
+        let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
+        let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+        let config = AdapterConfig { r: 4, lora_alpha: 8.0, lora_dropout, ..AdapterConfig::default() };
+        manager.create_adapters(2, &config).unwrap();
+        for agent in 0..2 {
+            let mut adapter = manager.adapter(agent).unwrap().clone();
+            for pair in adapter.pairs.values_mut() {
+                pair.b = pair.b.clone().add_scalar(0.01 * (agent + 1) as f64);
+            }
+            manager.set_adapter(agent, adapter).unwrap();
+        }
+        (model, manager)
+    }
+
+    fn scorer<'a>(model: &'a Model, manager: &'a MultiAdapterManager, skip: bool) -> Scorer<'a> {
+        Scorer {
+            model,
+            manager,
+            micro_batch_rows: 3,
+            temperature: 1.0,
+            choice_score: ChoiceScore::Sum,
+            max_new_tokens: 8,
+            skip_zero_advantage: skip,
+        }
+    }
+
+    /// Six replies of different lengths, agents alternating, with these advantages.
+    fn batch(model: &Model, advantages: [f64; 6]) -> TrainBatch {
+        let replies = ["TL;DR: the cat sat.", "It ran.", "A dog ran far away, then home", "No.", "Short one", "ok ok"];
+        let rows = replies
+            .iter()
+            .zip(advantages)
+            .enumerate()
+            .map(|(i, (reply, advantage))| {
+                let mut tokens = model.tokenizer.encode(&format!("Post {i}: summarise it.")).unwrap();
+                let prompt_len = tokens.len();
+                tokens.extend(model.tokenizer.encode(reply).unwrap());
+                let units = tokens.len() - prompt_len;
+                TrainRow {
+                    agent: i % 2,
+                    tokens,
+                    prompt_len,
+                    advantage,
+                    sampling_logprobs: vec![-2.0; units],
+                    choice: None,
+                    reference_logprobs: None,
+                }
+            })
+            .collect();
+        TrainBatch { rows }
+    }
+
+    /// Records each row's log-probs under its agent's adapter as its sampling log-probs (the
+    /// clipped objective's ratio is then 1 on the first epoch, as after a rollout).
+    fn on_policy(model: &Model, manager: &MultiAdapterManager, batch: &mut TrainBatch) {
+        for row in &mut batch.rows {
+            let (delta, _) = manager.mixed(&[Some(row.agent)], false).unwrap();
+            let scored =
+                crate::generate::score_rows(&model.lm, std::slice::from_ref(&row.tokens), Some(&delta)).unwrap();
+            row.sampling_logprobs = scored[0][row.prompt_len - 1..].to_vec();
+        }
+    }
+
+    fn objective(kind: ObjectiveKind, kl_coef: f64) -> Objective {
+        Objective {
+            config: ObjectiveConfig { kind, ..ObjectiveConfig::default() },
+            kl: KlPenalty { coef: kl_coef, estimator: KlEstimator::K3 },
+        }
+    }
+
+    fn flat(grads: &AdapterGrads) -> Vec<f32> {
+        grads
+            .values()
+            .flat_map(|(a, b)| [a, b])
+            .flat_map(|t| t.clone().into_data().try_into_vec::<f32>().unwrap())
+            .collect()
+    }
+
+    /// The same adapters, and per adapter gradients equal within `tolerance` of their scale.
+    fn same_gradients(want: &GradientPass, got: &GradientPass, tolerance: f32) {
+        assert_eq!(want.grads.keys().collect::<Vec<_>>(), got.grads.keys().collect::<Vec<_>>());
+        for (name, grads) in &want.grads {
+            let (w, g) = (flat(grads), flat(&got.grads[name]));
+            assert_eq!(w.len(), g.len());
+            let scale = w.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (a, b) in w.iter().zip(&g) {
+                assert!((a - b).abs() <= tolerance * scale, "{name}: {b} vs {a} (scale {scale})");
+            }
+        }
+    }
+
+    #[test]
+    fn skipping_zero_advantage_rows_keeps_the_loss_and_the_gradient() {
+        let (model, manager) = setup(0.0);
+        // Agent 0 has rows of advantage 1, -0.5, 0; agent 1 only zeros but the last.
+        let mut batch = batch(&model, [1.0, 0.0, -0.5, 0.0, 0.0, 2.0]);
+        on_policy(&model, &manager, &mut batch);
+        for kind in [ObjectiveKind::Magrpo, ObjectiveKind::Clipped] {
+            let objective = objective(kind, 0.0);
+            let all = scorer(&model, &manager, false).gradients(&batch, &objective, 7).unwrap();
+            let skipped = scorer(&model, &manager, true).gradients(&batch, &objective, 7).unwrap();
+            assert!((all.loss - skipped.loss).abs() <= 1e-6 * all.loss.abs().max(1.0), "{kind:?}: loss");
+            assert!(all.grads.values().all(|g| flat(g).iter().any(|v| *v != 0.0)), "gradients to compare");
+            same_gradients(&all, &skipped, 1e-5);
+            assert_eq!(all.stats, skipped.stats, "{kind:?}: the clipped statistics");
+            assert!(skipped.flops < 0.6 * all.flops, "three rows of six run: {} vs {}", skipped.flops, all.flops);
+        }
+        // An agent whose every row has zero advantage gets exactly zero, either way.
+        let batch = self::batch(&model, [1.0, 0.0, -0.5, 0.0, 0.0, 0.0]);
+        let objective = objective(ObjectiveKind::Magrpo, 0.0);
+        let all = scorer(&model, &manager, false).gradients(&batch, &objective, 7).unwrap();
+        let skipped = scorer(&model, &manager, true).gradients(&batch, &objective, 7).unwrap();
+        assert!(flat(&all.grads["agent_1"]).iter().all(|v| *v == 0.0));
+        assert_eq!(flat(&all.grads["agent_1"]), flat(&skipped.grads["agent_1"]));
+        same_gradients(&all, &skipped, 1e-5);
+    }
+
+    #[test]
+    fn a_batch_of_zero_advantages_runs_no_pass_and_adamw_steps_byte_for_byte_as_before() {
+        let (model, mut manager) = setup(0.0);
+        let objective = objective(ObjectiveKind::Magrpo, 0.0);
+        // One real step first, so AdamW has moments that a zero gradient still moves by.
+        let first = batch(&model, [1.0, -1.0, 0.5, 0.25, -0.5, 2.0]);
+        let pass = scorer(&model, &manager, true).gradients(&first, &objective, 1).unwrap();
+        let adamw = AdamWConfig { lr: 1e-2, ..AdamWConfig::default() };
+        let mut states: BTreeMap<String, AdamWState> = BTreeMap::new();
+        for (agent, name) in [(0, "agent_0"), (1, "agent_1")] {
+            let stepped = adamw.step(
+                manager.adapter(agent).unwrap(),
+                &pass.grads[name],
+                states.entry(name.into()).or_default(),
+                1e-2,
+            );
+            manager.set_adapter(agent, stepped).unwrap();
+        }
+        let zeros = batch(&model, [0.0; 6]);
+        let all = scorer(&model, &manager, false).gradients(&zeros, &objective, 2).unwrap();
+        let skipped = scorer(&model, &manager, true).gradients(&zeros, &objective, 2).unwrap();
+        assert_eq!((skipped.flops, skipped.loss), (0.0, 0.0), "no forward or backward pass");
+        assert_eq!(all.loss, 0.0);
+        assert_eq!(all.grads.keys().collect::<Vec<_>>(), skipped.grads.keys().collect::<Vec<_>>());
+        for (name, grads) in &all.grads {
+            assert!(flat(grads).iter().all(|v| *v == 0.0), "{name}: scoring every row gives zeros");
+        }
+        let step = |grads: &BTreeMap<String, AdapterGrads>| {
+            let mut states = states.clone();
+            let mut out = Vec::new();
+            for (agent, name) in [(0, "agent_0"), (1, "agent_1")] {
+                let state = states.get_mut(name).unwrap();
+                let stepped = adamw.step(manager.adapter(agent).unwrap(), &grads[name], state, 1e-2);
+                let moments: Vec<Vec<f32>> = state
+                    .moments
+                    .values()
+                    .flat_map(|(a, b)| [&a.m, &a.v, &b.m, &b.v])
+                    .map(|t| t.clone().into_data().try_into_vec::<f32>().unwrap())
+                    .collect();
+                out.push((stepped.to_host(), moments, state.step));
+            }
+            out
+        };
+        let (want, got) = (step(&all.grads), step(&skipped.grads));
+        assert_ne!(want[0].0, manager.adapter(0).unwrap().to_host(), "a zero gradient still moves AdamW");
+        assert_eq!(want, got, "byte-identical adapters and moments");
+    }
+
+    #[test]
+    fn with_dropout_only_whole_micro_batches_are_skipped_and_nothing_changes() {
+        let (model, manager) = setup(0.2);
+        // Micro-batches of 3: the second holds only zero advantages.
+        let batch = batch(&model, [1.0, 0.0, -0.5, 0.0, 0.0, 0.0]);
+        let objective = objective(ObjectiveKind::Magrpo, 0.0);
+        let all = scorer(&model, &manager, false).gradients(&batch, &objective, 3).unwrap();
+        let skipped = scorer(&model, &manager, true).gradients(&batch, &objective, 3).unwrap();
+        assert_eq!(all.loss, skipped.loss);
+        same_gradients(&all, &skipped, 0.0);
+        assert!(skipped.flops < all.flops, "the second micro-batch is not run");
+    }
+
+    #[test]
+    fn with_a_kl_penalty_every_row_is_scored() {
+        let (model, manager) = setup(0.0);
+        let mut batch = batch(&model, [1.0, 0.0, -0.5, 0.0, 0.0, 2.0]);
+        let objective = objective(ObjectiveKind::Magrpo, 0.1);
+        scorer(&model, &manager, true).attach_reference(&mut batch).unwrap();
+        let all = scorer(&model, &manager, false).gradients(&batch, &objective, 7).unwrap();
+        let skipped = scorer(&model, &manager, true).gradients(&batch, &objective, 7).unwrap();
+        assert_eq!(all.flops, skipped.flops);
+        assert_eq!(all.loss, skipped.loss);
+        same_gradients(&all, &skipped, 0.0);
+    }
+
+    #[test]
+    fn a_skipped_row_sampled_with_a_non_finite_log_prob_stops_the_pass() {
+        let (model, manager) = setup(0.0);
+        let mut batch = batch(&model, [1.0, 0.0, -0.5, 0.0, 0.0, 2.0]);
+        batch.rows[3].sampling_logprobs[0] = f32::NAN;
+        let err =
+            scorer(&model, &manager, true).gradients(&batch, &objective(ObjectiveKind::Magrpo, 0.0), 7).err().unwrap();
+        assert!(matches!(err, TroupeError::NonFinite { .. }), "{err}");
+    }
 }
