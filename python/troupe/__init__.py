@@ -278,12 +278,14 @@ class MAGRPOTrainer:
         """The resolved config, every default included (what the run directory's config.yaml holds)."""
         return self._run.config_yaml()
 
-    def train(self, iterations=None):
-        """Runs the configured iterations (or ``iterations`` more); returns their metrics lines."""
+    def train(self, iterations=None, step=None):
+        """Runs the configured iterations (or ``iterations`` more) with ``step`` (default
+        :meth:`step`; :class:`troupe.ray.RayRunner` passes its own); returns their metrics lines."""
+        step = step or self.step
         target = None if iterations is None else self._run.iteration() + iterations
         out = []
         while not self._run.finished() and (target is None or self._run.iteration() < target):
-            out.append(self.step())
+            out.append(step())
         return out
 
     def step(self):

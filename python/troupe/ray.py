@@ -182,11 +182,7 @@ class RayRunner:
 
     def train(self, iterations=None):
         """Runs the trainer's configured iterations (or ``iterations`` more) on the actors."""
-        target = None if iterations is None else self.run.iteration() + iterations
-        out = []
-        while not self.run.finished() and (target is None or self.run.iteration() < target):
-            out.append(self.step())
-        return out
+        return self.trainer.train(iterations, step=self.step)
 
     def shutdown(self):
         """Stops the actors."""
