@@ -24,9 +24,10 @@ import json
 import os
 import tempfile
 
-import troupe_env
-import troupe_reward
-
+# The protocol helpers, python/troupe_env.py and python/troupe_reward.py (standalone modules an
+# external process runs on its own), are part of the package through symbolic links.
+from . import _env as troupe_env
+from . import _reward as troupe_reward
 from . import _engine
 from ._engine import RolloutWorker, Run
 

@@ -1,0 +1,1 @@
+../troupe_env.py

@@ -1,0 +1,1 @@
+../troupe_reward.py
