@@ -735,7 +735,7 @@ pub fn turn_returns(episode: &EpisodeRecord, shaped: &[Vec<f64>], gamma: f64) ->
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::adapters::optim::{adapter_grads, AdapterGrads};
     use crate::adapters::AdapterConfig;
@@ -892,8 +892,9 @@ mod tests {
         assert!(t.learn(&plan, Vec::new(), 0.0).unwrap_err().to_string().contains("plan is for iteration 1"));
     }
 
-    /// Host values of every gradient tensor of one adapter, in site order.
-    fn flat(grads: &AdapterGrads) -> Vec<f32> {
+    /// Host values of every gradient tensor of one adapter, in site order (also read by the
+    /// update phase's tests).
+    pub(crate) fn flat(grads: &AdapterGrads) -> Vec<f32> {
         grads
             .values()
             .flat_map(|(a, b)| [a, b])

@@ -351,6 +351,7 @@ mod tests {
     use crate::adapters::{AdamWConfig, AdamWState, AdapterConfig};
     use crate::model::{Model, Preset};
     use crate::rl::objective::{KlEstimator, KlPenalty, ObjectiveConfig, ObjectiveKind};
+    use crate::rl::trainer::tests::flat;
     use burn::tensor::Device;
 
     /// The tiny model with two agents whose B factors are non-zero (so A gets a gradient).
@@ -424,14 +425,6 @@ mod tests {
             config: ObjectiveConfig { kind, ..ObjectiveConfig::default() },
             kl: KlPenalty { coef: kl_coef, estimator: KlEstimator::K3 },
         }
-    }
-
-    fn flat(grads: &AdapterGrads) -> Vec<f32> {
-        grads
-            .values()
-            .flat_map(|(a, b)| [a, b])
-            .flat_map(|t| t.clone().into_data().try_into_vec::<f32>().unwrap())
-            .collect()
     }
 
     /// The same adapters, and per adapter gradients equal within `tolerance` of their scale.
