@@ -72,6 +72,39 @@ pub struct EvalSummary {
     pub seconds: f64,
 }
 
+/// Plays `episodes` held-out episodes: `eval.env` over the config's environment, seeds
+/// `eval.seed` on, the seats in `baselines` played by those policies and the others by their
+/// agents, `runtime.eval_batch_episodes` at a time. Episode `i` draws from its own random stream,
+/// so the records do not depend on the batch size.
+pub fn play_held_out(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    config: &TrainConfig,
+    episodes: usize,
+    registry: &Registry,
+    baselines: &mut BTreeMap<SeatId, Box<dyn Policy>>,
+) -> Result<Vec<EpisodeRecord>> {
+    let rollout = config.eval_rollout_config();
+    let spec = config.eval_env_spec();
+    let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
+    let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
+    for chunk in seeds.chunks(config.runtime.eval_batch_episodes.max(1)) {
+        let mut rngs = episode_rngs(config.eval.seed, records.len(), chunk.len());
+        let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
+        records.extend(run_episodes_with_baselines(
+            model,
+            manager,
+            &mut envs,
+            chunk,
+            &config.agents.seats,
+            baselines,
+            &rollout,
+            &mut rngs,
+        )?);
+    }
+    Ok(records)
+}
+
 /// Plays `episodes` episodes of the config's environment with `manager`'s adapters on seeds
 /// `config.eval.seed + i`, seating `config.eval.baseline_seats` policies in place of agents.
 /// Episodes run to their end (or `eval.max_episode_steps`), and an invalid reply is replaced
@@ -106,22 +139,7 @@ pub fn evaluate(
     let rollout = config.eval_rollout_config();
     let spec = config.eval_env_spec();
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
-    let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
-    for chunk in seeds.chunks(config.runtime.eval_batch_episodes.max(1)) {
-        // Episode i draws from its own stream: the scores do not depend on the batch size.
-        let mut rngs = episode_rngs(config.eval.seed, records.len(), chunk.len());
-        let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
-        records.extend(run_episodes_with_baselines(
-            model,
-            manager,
-            &mut envs,
-            chunk,
-            &config.agents.seats,
-            &mut baselines,
-            &rollout,
-            &mut rngs,
-        )?);
-    }
+    let records = play_held_out(model, manager, config, episodes, registry, &mut baselines)?;
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
     let names: std::collections::BTreeSet<&String> = records.iter().flat_map(|e| e.metrics.keys()).collect();
     let metrics = names

@@ -17,9 +17,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde_json::{json, Value};
 use troupe::rl::config::TrainConfig;
-use troupe::rl::eval::MeanStderr;
+use troupe::rl::eval::{play_held_out, MeanStderr};
 use troupe::rl::rewards::{RewardFunction, RewardPipeline, WeightedReward};
-use troupe::rl::rollout::{episode_rngs, make_env, run_episodes, EpisodeRecord};
+use troupe::rl::rollout::EpisodeRecord;
 use troupe::rl::run::{fresh_adapters, load_model, PendingIteration, TrainingRun};
 use troupe::rl::trainer::{MagrpoTrainer, RolloutPlan};
 use troupe::troupe_envs::external::transport::{InProcess, Transport};
@@ -294,19 +294,8 @@ fn evaluate_rewards(run: &TrainingRun, episodes: Option<usize>) -> troupe::Resul
     let config = &run.config;
     let t = &run.trainer;
     let count = episodes.unwrap_or(config.eval.episodes).max(1);
-    let spec = config.eval_env_spec();
-    let seeds: Vec<u64> = (0..count as u64).map(|i| config.eval.seed + i).collect();
-    let mut envs = seeds.iter().map(|_| make_env(t.registry(), &spec)).collect::<troupe::Result<Vec<_>>>()?;
-    let mut rngs = episode_rngs(config.eval.seed, 0, count);
-    let records = run_episodes(
-        &t.model,
-        &t.manager,
-        &mut envs,
-        &seeds,
-        &config.agents.seats,
-        &config.eval_rollout_config(),
-        &mut rngs,
-    )?;
+    // Every seat is its agent's, whatever `eval.baseline_seats` says.
+    let records = play_held_out(&t.model, &t.manager, config, count, t.registry(), &mut Default::default())?;
     let rewards = t.episode_rewards(&records)?;
     let mut per_agent = serde_json::Map::new();
     for agent in t.manager.agent_ids() {
