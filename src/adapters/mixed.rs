@@ -36,6 +36,8 @@ struct Dropout {
 /// A [`ProjectionDelta`] applying a per-row choice of LoRA adapters.
 pub struct MixedLora {
     sites: HashMap<Site, SiteFactors>,
+    /// Per row: the index of its adapter among those given to [`MixedLora::new`], or `None`.
+    rows: Vec<Option<usize>>,
     dropout: Option<Dropout>,
     device: Device,
 }
@@ -109,7 +111,7 @@ impl MixedLora {
                 sites.insert(site, SiteFactors::PerRow { a, b_scaled });
             }
         }
-        Self { sites, dropout: None, device: device.clone() }
+        Self { sites, rows: rows.to_vec(), dropout: None, device: device.clone() }
     }
 
     /// Applies dropout to the adapters' input (training only): row `i` with probability
@@ -155,5 +157,47 @@ impl ProjectionDelta for MixedLora {
                 x.matmul(a.clone().swap_dims(1, 2)).matmul(b_scaled.clone().swap_dims(1, 2))
             }
         })
+    }
+
+    /// The row's adapter, as its slot among the adapters of this batch (rows without one share
+    /// a key); `None` under dropout, where every row draws its own masks.
+    fn row_key(&self, row: usize) -> Option<u64> {
+        if self.dropout.is_some() {
+            return None;
+        }
+        let slot = *self.rows.get(row)?;
+        Some(slot.map_or(0, |s| s as u64 + 1))
+    }
+
+    /// Selects the rows' factors (differentiably: gradients of the narrowed batch reach the
+    /// same adapter tensors). `None` under dropout.
+    fn select_rows(&self, rows: &[usize]) -> Option<Box<dyn ProjectionDelta + '_>> {
+        if self.dropout.is_some() || rows.iter().any(|&r| r >= self.rows.len()) {
+            return None;
+        }
+        let index: Tensor<1, Int> = Tensor::from_data(
+            TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),
+            &self.device,
+        );
+        let sites = self
+            .sites
+            .iter()
+            .map(|(site, factors)| {
+                let narrowed = match factors {
+                    SiteFactors::Shared { .. } => factors.clone(),
+                    SiteFactors::PerRow { a, b_scaled } => SiteFactors::PerRow {
+                        a: a.clone().select(0, index.clone()),
+                        b_scaled: b_scaled.clone().select(0, index.clone()),
+                    },
+                };
+                (*site, narrowed)
+            })
+            .collect();
+        Some(Box::new(MixedLora {
+            sites,
+            rows: rows.iter().map(|&r| self.rows[r]).collect(),
+            dropout: None,
+            device: self.device.clone(),
+        }))
     }
 }

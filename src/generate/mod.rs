@@ -4,16 +4,19 @@
 
 pub mod choice;
 pub mod constrained;
+pub mod prefix;
 pub mod sampler;
 
 use burn::tensor::{Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
 pub use constrained::{NodeId, TokenTrie, TrieStep};
+use prefix::SharedPrefixes;
 pub use sampler::SamplingConfig;
 
 /// Options of one generation call.
@@ -186,56 +189,94 @@ pub fn generate_rows(
     let mut step_tokens = padded;
     let mut step_valid = valid;
     let mut phase = crate::profile::Phase::Prefill;
+    // Rows with the same prompt on the same adapter (a GRPO group) prefill it once.
+    let mut shared = if options.use_cache {
+        SharedPrefixes::find(&prompts.iter().map(Vec::as_slice).collect::<Vec<_>>(), delta)
+    } else {
+        None
+    };
     while done.iter().any(|d| !d) {
         let step_started = std::time::Instant::now();
-        let last_hidden = if options.use_cache {
-            let tokens = lm.token_tensor(&step_tokens)?;
-            let attention = layout.step(&step_valid, &device);
-            let hidden =
-                lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?;
-            let seq = hidden.dims()[1];
-            hidden.narrow(1, seq - 1, 1)
-        } else {
-            let tokens = lm.token_tensor(&history)?;
-            let attention = SequenceLayout::new(batch).step(&history_valid, &device);
-            let hidden = lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: None, delta })?;
-            let seq = hidden.dims()[1];
-            hidden.narrow(1, seq - 1, 1)
+        let rows: Vec<Vec<f32>> = match shared.take() {
+            Some(share) => {
+                let unique_tokens: Vec<Vec<u32>> = share.unique.iter().map(|&r| step_tokens[r].clone()).collect();
+                let unique_valid: Vec<Vec<bool>> = share.unique.iter().map(|&r| step_valid[r].clone()).collect();
+                let attention = SequenceLayout::new(share.unique.len()).step(&unique_valid, &device);
+                let hidden = lm.hidden_states(
+                    lm.token_tensor(&unique_tokens)?,
+                    ForwardArgs { layout: &attention, cache: Some(&mut cache), delta: share.unique_delta() },
+                )?;
+                let seq = hidden.dims()[1];
+                let unique_rows = to_rows(lm.logits(hidden.narrow(1, seq - 1, 1)).squeeze_dim::<2>(1));
+                cache.select_rows(&share.row_index(&device));
+                layout.extend(&step_valid);
+                share.group_of_row.iter().map(|&g| unique_rows[g].clone()).collect()
+            }
+            None => {
+                let last_hidden = if options.use_cache {
+                    let tokens = lm.token_tensor(&step_tokens)?;
+                    let attention = layout.step(&step_valid, &device);
+                    let hidden =
+                        lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?;
+                    let seq = hidden.dims()[1];
+                    hidden.narrow(1, seq - 1, 1)
+                } else {
+                    let tokens = lm.token_tensor(&history)?;
+                    let attention = SequenceLayout::new(batch).step(&history_valid, &device);
+                    let hidden = lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: None, delta })?;
+                    let seq = hidden.dims()[1];
+                    hidden.narrow(1, seq - 1, 1)
+                };
+                to_rows(lm.logits(last_hidden).squeeze_dim::<2>(1))
+            }
         };
-        let logits = lm.logits(last_hidden).squeeze_dim::<2>(1);
-        let rows = to_rows(logits);
         step_tokens = Vec::with_capacity(batch);
         step_valid = Vec::with_capacity(batch);
-        for (row, logits) in rows.iter().enumerate() {
-            let rng = &mut rngs[if shared_rng { 0 } else { row }];
-            let (token, real) = if done[row] {
-                (0, false)
-            } else if let Some(trie) = constraint(row) {
-                let token = trie.pick(nodes[row], logits, &options.sampling, rng);
-                let out = &mut outputs[row];
-                out.output_ids.push(token);
-                out.logprobs.push(token_logprob(logits, token));
-                match trie.advance(nodes[row], token).expect("`pick` returns an allowed token") {
-                    TrieStep::Continue(node) => nodes[row] = node,
-                    TrieStep::Complete { sequence } => {
-                        out.sequence = Some(sequence);
-                        out.finished_by_eos = eos_token_ids.contains(&token);
+        // Each live row's token and its log-prob: rows with their own generators draw in
+        // parallel (what a row draws depends only on its logits and its generator).
+        let pick = |row: usize, logits: &[f32], rng: &mut ChaCha8Rng| -> Option<(u32, f32)> {
+            if done[row] {
+                return None;
+            }
+            let token = match constraint(row) {
+                Some(trie) => trie.pick(nodes[row], logits, &options.sampling, rng),
+                None => sampler::sample(logits, &options.sampling, rng),
+            };
+            Some((token, token_logprob(logits, token)))
+        };
+        let picks: Vec<Option<(u32, f32)>> = if shared_rng {
+            rows.iter().enumerate().map(|(row, logits)| pick(row, logits, &mut rngs[0])).collect()
+        } else {
+            rows.par_iter()
+                .zip(rngs.par_iter_mut())
+                .enumerate()
+                .map(|(row, (logits, rng))| pick(row, logits, rng))
+                .collect()
+        };
+        for (row, picked) in picks.into_iter().enumerate() {
+            let (token, real) = match picked {
+                None => (0, false),
+                Some((token, logprob)) => {
+                    let out = &mut outputs[row];
+                    out.output_ids.push(token);
+                    out.logprobs.push(logprob);
+                    if let Some(trie) = constraint(row) {
+                        match trie.advance(nodes[row], token).expect("`pick` returns an allowed token") {
+                            TrieStep::Continue(node) => nodes[row] = node,
+                            TrieStep::Complete { sequence } => {
+                                out.sequence = Some(sequence);
+                                out.finished_by_eos = eos_token_ids.contains(&token);
+                                done[row] = true;
+                            }
+                        }
+                    } else if options.stop_at_eos && eos_token_ids.contains(&token) {
+                        out.finished_by_eos = true;
+                        done[row] = true;
+                    } else if out.output_ids.len() >= options.max_new_tokens {
                         done[row] = true;
                     }
+                    (token, true)
                 }
-                (token, true)
-            } else {
-                let token = sampler::sample(logits, &options.sampling, rng);
-                let out = &mut outputs[row];
-                out.output_ids.push(token);
-                out.logprobs.push(token_logprob(logits, token));
-                if options.stop_at_eos && eos_token_ids.contains(&token) {
-                    out.finished_by_eos = true;
-                    done[row] = true;
-                } else if out.output_ids.len() >= options.max_new_tokens {
-                    done[row] = true;
-                }
-                (token, true)
             };
             step_tokens.push(vec![token]);
             step_valid.push(vec![real]);
@@ -339,26 +380,100 @@ pub fn completion_logprobs(
             "one completion start per row, after its first token and before its end",
         ));
     }
-    let width = from.iter().zip(&batch.lengths).map(|(&f, &n)| n - f).max().unwrap_or(0);
-    let tokens: Vec<i64> = batch.tokens.clone().into_data().convert::<i64>().try_into_vec::<i64>().expect("token ids");
-    let mut predictors = Vec::with_capacity(rows * width);
-    let mut targets = Vec::with_capacity(rows * width);
-    let mut present = Vec::with_capacity(rows * width);
-    for (b, (&f, &n)) in from.iter().zip(&batch.lengths).enumerate() {
-        for j in 0..width {
-            let real = f + j < n;
-            // Token f + j is predicted at position f + j - 1; padding reads position 0 of its row.
-            predictors.push((b * seq + if real { f + j - 1 } else { 0 }) as i64);
-            targets.push(if real { tokens[b * seq + f + j] } else { 0 });
-            present.push(if real { 1.0f32 } else { 0.0 });
-        }
+    let tokens: Vec<u32> = batch.tokens.clone().into_data().convert::<i64>().iter::<i64>().map(|t| t as u32).collect();
+    let row_tokens: Vec<&[u32]> = (0..rows).map(|b| &tokens[b * seq..b * seq + batch.lengths[b]]).collect();
+    // Rows that share everything before their last prompt token (a GRPO group's prompt)
+    // compute it once: the forward runs over each distinct prefix, then over every row's
+    // rest (its last prompt token, which predicts the first reply token, and its reply).
+    let prefixes: Vec<&[u32]> = row_tokens.iter().zip(from).map(|(row, &f)| &row[..f - 1]).collect();
+    if let Some(share) = SharedPrefixes::find(&prefixes, delta) {
+        return shared_completion_logprobs(lm, &row_tokens, from, &share, delta);
     }
     let device = lm.device().clone();
     let layout = SequenceLayout::new(rows).step(&batch.valid, &device);
     let hidden = lm.hidden_states(batch.tokens.clone(), ForwardArgs { layout: &layout, cache: None, delta })?;
-    let size = hidden.dims()[2];
-    let flat = hidden.reshape([rows * seq, size]);
-    let count = rows * width;
+    // Token f + j is predicted at position f + j - 1.
+    let predictor = |b: usize, j: usize| b * seq + from[b] + j - 1;
+    reply_logprobs(lm, hidden, &row_tokens, from, predictor)
+}
+
+/// [`completion_logprobs`] over rows grouped by `share`: each distinct prefix (`row[..from - 1]`)
+/// goes through the model once, its keys and values are copied to the rows that share it
+/// ([`KvCache::select_rows`], whose backward sums the rows' gradients into the one prefix),
+/// and each row's suffix (`row[from - 1..]`) runs on top.
+fn shared_completion_logprobs(
+    lm: &CausalLm,
+    rows: &[&[u32]],
+    from: &[usize],
+    share: &SharedPrefixes<'_>,
+    delta: Option<&dyn ProjectionDelta>,
+) -> Result<Tensor<2>> {
+    let device = lm.device().clone();
+    // Both parts right-padded: every query then sees at least its row's first token.
+    let pad = |parts: Vec<&[u32]>| -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
+        let width = parts.iter().map(|p| p.len()).max().unwrap_or(0);
+        parts
+            .into_iter()
+            .map(|part| {
+                let mut tokens = part.to_vec();
+                tokens.resize(width, 0);
+                let mut valid = vec![true; part.len()];
+                valid.resize(width, false);
+                (tokens, valid)
+            })
+            .unzip()
+    };
+    let (prefix_tokens, prefix_valid) = pad(share.unique.iter().map(|&r| &rows[r][..from[r] - 1]).collect());
+    let mut cache = KvCache::new(lm.config.num_hidden_layers);
+    let prefix_layout = SequenceLayout::new(share.unique.len()).step(&prefix_valid, &device);
+    lm.hidden_states(
+        lm.token_tensor(&prefix_tokens)?,
+        ForwardArgs { layout: &prefix_layout, cache: Some(&mut cache), delta: share.unique_delta() },
+    )?;
+    cache.select_rows(&share.row_index(&device));
+    let mut layout = SequenceLayout::new(rows.len());
+    layout.extend(&share.group_of_row.iter().map(|&g| prefix_valid[g].clone()).collect::<Vec<_>>());
+    let (suffix_tokens, suffix_valid) = pad(rows.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect());
+    let attention = layout.step(&suffix_valid, &device);
+    let hidden = lm.hidden_states(
+        lm.token_tensor(&suffix_tokens)?,
+        ForwardArgs { layout: &attention, cache: Some(&mut cache), delta },
+    )?;
+    // Token f + j is predicted at suffix position j.
+    let width = suffix_tokens[0].len();
+    reply_logprobs(lm, hidden, rows, from, |b, j| b * width + j)
+}
+
+/// The log-probability of each row's reply tokens (`row[from..]`) from the final hidden states,
+/// running the LM head only at the positions that predict them (`predictor(b, j)`: the flat
+/// position in `hidden` that predicts token `from[b] + j` of row `b`).
+///
+/// # Shapes
+/// `hidden`: `[rows, seq, hidden]` -> `[rows, max over rows of (len - from)]`, 0 past a reply
+fn reply_logprobs(
+    lm: &CausalLm,
+    hidden: Tensor<3>,
+    rows: &[&[u32]],
+    from: &[usize],
+    predictor: impl Fn(usize, usize) -> usize,
+) -> Result<Tensor<2>> {
+    let [batch, seq, size] = hidden.dims();
+    let width = rows.iter().zip(from).map(|(row, &f)| row.len() - f).max().unwrap_or(0);
+    let mut predictors = Vec::with_capacity(batch * width);
+    let mut targets = Vec::with_capacity(batch * width);
+    let mut present = Vec::with_capacity(batch * width);
+    for (b, (row, &f)) in rows.iter().zip(from).enumerate() {
+        for j in 0..width {
+            let real = f + j < row.len();
+            // Padding reads position 0 of its row.
+            predictors.push(if real { predictor(b, j) } else { b * seq } as i64);
+            targets.push(if real { i64::from(row[f + j]) } else { 0 });
+            present.push(if real { 1.0f32 } else { 0.0 });
+        }
+    }
+    let device = lm.device().clone();
+    let flat = hidden.reshape([batch * seq, size]);
+    let count = batch * width;
     let index = |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [count]), &device);
     let (predictors, targets) = (index(predictors), index(targets));
     let vocab = lm.config.vocab_size;
@@ -377,8 +492,8 @@ pub fn completion_logprobs(
         start += n;
     }
     let logprobs = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 0) };
-    let present = Tensor::<2>::from_data(TensorData::new(present, [rows, width]), &device);
-    Ok(logprobs.reshape([rows, width]) * present)
+    let present = Tensor::<2>::from_data(TensorData::new(present, [batch, width]), &device);
+    Ok(logprobs.reshape([batch, width]) * present)
 }
 
 /// [`next_token_logprobs`] read back to the host, each row cut to its real length minus one.

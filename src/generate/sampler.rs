@@ -67,9 +67,20 @@ pub fn sample(logits: &[f32], config: &SamplingConfig, rng: &mut ChaCha8Rng) -> 
 /// by decreasing probability.
 pub fn filtered_probs(logits: &[f32], config: &SamplingConfig) -> Vec<(usize, f32)> {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    // Sorted by decreasing probability, ties by increasing id: a total order, so an unstable
+    // sort of one integer key per token gives it exactly (a probability is a non-negative
+    // float, whose bits order as integers do; inverted, they sort in decreasing order).
+    let mut keys: Vec<u64> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let p = ((l - max) / config.temperature).exp();
+            (u64::from(!p.to_bits()) << 32) | i as u64
+        })
+        .collect();
+    keys.sort_unstable();
     let mut probs: Vec<(usize, f32)> =
-        logits.iter().enumerate().map(|(i, l)| (i, ((l - max) / config.temperature).exp())).collect();
-    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        keys.into_iter().map(|k| ((k & 0xffff_ffff) as usize, f32::from_bits(!((k >> 32) as u32)))).collect();
     if config.top_k > 0 && config.top_k < probs.len() {
         probs.truncate(config.top_k);
     }
@@ -115,6 +126,19 @@ mod tests {
         for _ in 0..200 {
             assert!(sample(&logits, &k2, &mut rng) < 2);
         }
+    }
+
+    #[test]
+    fn probabilities_come_sorted_by_decreasing_value_then_id() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        // Ties included: logits drawn from a few values.
+        let logits: Vec<f32> = (0..2000).map(|_| f32::from(rng.random_range(0u8..40)) * 0.25 - 3.0).collect();
+        let config = SamplingConfig { temperature: 0.7, top_k: 0, top_p: 1.0 };
+        let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        let mut expected: Vec<(usize, f32)> =
+            logits.iter().enumerate().map(|(i, l)| (i, ((l - max) / config.temperature).exp())).collect();
+        expected.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        assert_eq!(filtered_probs(&logits, &config), expected);
     }
 
     #[test]

@@ -102,6 +102,23 @@ pub trait ProjectionDelta {
     /// # Shapes
     /// `x`: `[batch, seq, in_features]` -> `[batch, seq, out_features]`
     fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>>;
+
+    /// Which adapter row `row` applies, as a key: rows with equal keys get equal deltas for
+    /// equal inputs, so work on a prompt they share may be done once for them. `None` (the
+    /// default) when rows cannot be told apart this way (or a row's delta is random, as under
+    /// dropout): then nothing is shared.
+    fn row_key(&self, row: usize) -> Option<u64> {
+        let _ = row;
+        None
+    }
+
+    /// The same deltas for a batch made of some of this batch's rows: row `i` of the returned
+    /// delta applies what row `rows[i]` applies here. `None` (the default) when this delta
+    /// cannot be narrowed; callers then share no work between rows.
+    fn select_rows(&self, rows: &[usize]) -> Option<Box<dyn ProjectionDelta + '_>> {
+        let _ = rows;
+        None
+    }
 }
 
 /// The weight of a frozen linear projection.

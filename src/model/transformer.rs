@@ -55,6 +55,15 @@ impl SequenceLayout {
         self.valid.iter().map(|row| row.iter().filter(|v| **v).count()).collect()
     }
 
+    /// Appends `new_valid[row].len()` slots to every row, as [`SequenceLayout::step`] does,
+    /// without building a forward's layout: for slots whose keys and values another forward
+    /// computed (a prompt prefilled once for several rows, [`KvCache::select_rows`]).
+    pub fn extend(&mut self, new_valid: &[Vec<bool>]) {
+        for (row, fresh) in self.valid.iter_mut().zip(new_valid) {
+            row.extend_from_slice(fresh);
+        }
+    }
+
     /// Appends `new_valid[row].len()` slots to every row (all rows the same count) and returns
     /// the attention layout for a forward over exactly those new slots.
     pub fn step(&mut self, new_valid: &[Vec<bool>], device: &Device) -> AttentionLayout {
@@ -103,6 +112,21 @@ impl KvCache {
     /// Whether nothing is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Rebuilds the cache for a new batch whose row `i` continues this cache's row `rows[i]`
+    /// (a row may be taken several times: a prompt prefilled once, then decoded or scored for
+    /// several rows). Differentiable: gradients of the new rows add up in the rows they came from.
+    ///
+    /// # Shapes
+    /// `rows`: `[new_batch]`; every layer `[batch, kv_heads, cached, head_dim]` ->
+    /// `[new_batch, kv_heads, cached, head_dim]`
+    pub fn select_rows(&mut self, rows: &Tensor<1, Int>) {
+        for layer in self.layers.iter_mut() {
+            if let Some((keys, values)) = layer.take() {
+                *layer = Some((keys.select(0, rows.clone()), values.select(0, rows.clone())));
+            }
+        }
     }
 
     /// Appends this call's keys and values for `layer` and returns the full sequence's.

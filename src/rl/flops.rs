@@ -41,16 +41,39 @@ impl FlopModel {
             + logits as f64 * self.head_per_position
     }
 
+    /// Forward FLOPs of `len` tokens that continue a cached prefix of `prefix` tokens (each
+    /// sees the prefix and its own earlier tokens), with logits at `logits` positions:
+    /// `causal(prefix, 0) + continuation(prefix, len, logits) == causal(prefix + len, logits)`.
+    pub fn continuation(&self, prefix: usize, len: usize, logits: usize) -> f64 {
+        let (p, c) = (prefix as f64, len as f64);
+        c * self.linear_per_token
+            + (c * p + c * (c + 1.0) / 2.0) * self.attention_per_pair
+            + logits as f64 * self.head_per_position
+    }
+
+    /// Forward FLOPs of sequences that share prefixes computed once per distinct prefix
+    /// ([`crate::generate::prefix`]): `rows` holds each row's (prefix key, prefix length, length
+    /// after the prefix, logit positions); a key's prefix counts once.
+    pub fn shared_prefixes<K: Eq + std::hash::Hash>(
+        &self,
+        rows: impl IntoIterator<Item = (K, usize, usize, usize)>,
+    ) -> f64 {
+        let mut seen = std::collections::HashSet::new();
+        rows.into_iter()
+            .map(|(key, prefix, len, logits)| {
+                let first = if seen.insert(key) { self.causal(prefix, 0) } else { 0.0 };
+                first + self.continuation(prefix, len, logits)
+            })
+            .sum()
+    }
+
     /// Forward FLOPs of one packed `choice` decision: a prompt of `prompt` tokens, then
     /// candidates of `candidates[k]` tokens each seeing the prompt and their own earlier tokens;
     /// logits at the prompt's last position and at every candidate token but the last.
     pub fn packed_choice(&self, prompt: usize, candidates: &[usize]) -> f64 {
-        let p = prompt as f64;
         let mut flops = self.causal(prompt, 1);
         for &c in candidates {
-            let c = c as f64;
-            flops += c * self.linear_per_token + (c * p + c * (c + 1.0) / 2.0) * self.attention_per_pair;
-            flops += (c - 1.0).max(0.0) * self.head_per_position;
+            flops += self.continuation(prompt, c, c.saturating_sub(1));
         }
         flops
     }
@@ -75,5 +98,10 @@ mod tests {
         // A packed decision with one candidate equals the causal sequence of prompt + candidate
         // with logits at the candidate's positions.
         assert!((f.packed_choice(5, &[3]) - f.causal(8, 3)).abs() < 1e-6);
+        // A continuation completes its prefix's sequence; a shared prefix counts once.
+        assert!((f.causal(5, 0) + f.continuation(5, 3, 2) - f.causal(8, 2)).abs() < 1e-6);
+        let shared = f.shared_prefixes([(0, 5, 3, 3), (0, 5, 2, 2), (1, 4, 3, 3)]);
+        let expected = f.causal(5, 0) + f.continuation(5, 3, 3) + f.continuation(5, 2, 2) + f.causal(7, 3);
+        assert!((shared - expected).abs() < 1e-6);
     }
 }

@@ -559,16 +559,17 @@ impl MagrpoTrainer {
         }
         let (loss_total, grad_norm, tokens_per_agent, first_stats) = first.expect("at least one epoch");
         let flop_model = FlopModel::new(&self.model.lm.config);
-        let rollout_flops: f64 = episodes
-            .iter()
-            .flat_map(|e| &e.turns)
-            .map(|t| match &t.choice {
-                Some(c) => {
-                    flop_model.packed_choice(t.prompt_ids.len(), &c.candidates.iter().map(Vec::len).collect::<Vec<_>>())
-                }
-                None => flop_model.causal(t.prompt_ids.len() + t.completion_ids.len(), t.completion_ids.len()),
+        let turns = || episodes.iter().flat_map(|e| &e.turns);
+        // A prompt that several replies of one agent answer is prefilled once (a group's).
+        let rollout_flops: f64 = turns()
+            .filter_map(|t| t.choice.as_ref().map(|c| (t, c)))
+            .map(|(t, c)| {
+                flop_model.packed_choice(t.prompt_ids.len(), &c.candidates.iter().map(Vec::len).collect::<Vec<_>>())
             })
-            .sum();
+            .sum::<f64>()
+            + flop_model.shared_prefixes(turns().filter(|t| t.choice.is_none()).map(|t| {
+                ((t.agent, &t.prompt_ids), t.prompt_ids.len(), t.completion_ids.len(), t.completion_ids.len())
+            }));
         self.iteration = iteration;
 
         let mut mean_return = BTreeMap::new();

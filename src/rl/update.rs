@@ -186,7 +186,9 @@ impl Scorer<'_> {
         }
         let (replies, choices) = self.planned(batch, skip);
         // Forward, then a backward of twice its work, for the rows run.
-        pass.flops = 3.0 * replies.iter().chain(&choices).flat_map(|(_, c)| c).map(|r| self.row_flops(r)).sum::<f64>();
+        pass.flops = 3.0
+            * (replies.iter().map(|(_, c)| self.replies_flops(c, true)).sum::<f64>()
+                + choices.iter().flat_map(|(_, c)| c).map(|r| self.row_flops(r)).sum::<f64>());
         for (chunk_index, chunk) in &replies {
             let started = Instant::now();
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
@@ -287,10 +289,29 @@ impl Scorer<'_> {
         }
     }
 
-    /// Forward FLOPs of scoring every row of `batch` once (what [`Scorer::attach_reference`]
-    /// costs; a gradient pass costs three times as much).
+    /// Forward FLOPs of scoring every row of `batch` once with the base alone (what
+    /// [`Scorer::attach_reference`] costs).
     pub fn forward_flops(&self, batch: &TrainBatch) -> f64 {
-        batch.rows.iter().map(|r| self.row_flops(r)).sum()
+        let (replies, choices) = self.chunks(batch);
+        replies.iter().map(|c| self.replies_flops(c, false)).sum::<f64>()
+            + choices.iter().flatten().map(|r| self.row_flops(r)).sum::<f64>()
+    }
+
+    /// Forward FLOPs of scoring one micro-batch of replies, where rows that share everything
+    /// before their last prompt token (on one adapter, when `on_adapters`) compute it once
+    /// ([`crate::generate::completion_logprobs`]); under adapter dropout nothing is shared.
+    fn replies_flops(&self, chunk: &[&TrainRow], on_adapters: bool) -> f64 {
+        let dropout = on_adapters
+            && chunk.iter().any(|r| self.manager.adapter(r.agent).is_ok_and(|a| a.config.lora_dropout > 0.0));
+        if dropout {
+            return chunk.iter().map(|r| self.row_flops(r)).sum();
+        }
+        let model = FlopModel::new(&self.model.lm.config);
+        model.shared_prefixes(chunk.iter().map(|r| {
+            let prefix = r.prompt_len.saturating_sub(1);
+            let key = (if on_adapters { Some(r.agent) } else { None }, &r.tokens[..prefix]);
+            (key, prefix, r.tokens.len() - prefix, r.units())
+        }))
     }
 
     /// Forward FLOPs of scoring one row.

@@ -1,0 +1,173 @@
+//! Shared prompts: rows that start with the same tokens on the same adapter compute that prefix
+//! once (a GRPO group's prompt), in generation and in scoring, and get what each row gets alone:
+//! the same sampled tokens and log-probs, the same reply log-probs, the same adapter gradients.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use troupe::adapters::optim::{adapter_grads, AdapterGrads};
+use troupe::adapters::MultiAdapterManager;
+use troupe::generate::prefix::SharedPrefixes;
+use troupe::generate::{completion_logprobs, generate_rows, GenerateOptions, SamplingConfig, ScoringBatch};
+use troupe::model::{Model, ProjectionDelta};
+
+fn setup() -> (Model, MultiAdapterManager) {
+    let device = Device::flex();
+    let dir = common::models_dir().join("tiny-qwen3");
+    let model = Model::from_dir(&dir, &device).unwrap();
+    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+    manager.load_adapters(&dir.join("adapters")).unwrap();
+    (model, manager)
+}
+
+fn encode(model: &Model, text: &str) -> Vec<u32> {
+    model.tokenizer.encode(text).unwrap()
+}
+
+#[test]
+fn rows_sharing_a_prompt_generate_what_each_generates_alone() {
+    let (model, manager) = setup();
+    let (p, q) = (encode(&model, "Player 1 hints red. Play card 0."), encode(&model, "North opens 1NT."));
+    assert_ne!(p.len(), q.len(), "prompts of different lengths: the batch is left-padded");
+    let prompts = vec![p.clone(), p.clone(), q.clone(), p.clone(), q.clone(), p];
+    let agents = [Some(0), Some(0), Some(1), Some(1), Some(1), None];
+    let seeds: Vec<u64> = (0..prompts.len() as u64).map(|s| 100 + s).collect();
+    let (delta, _) = manager.mixed(&agents, false).unwrap();
+    let views: Vec<&[u32]> = prompts.iter().map(Vec::as_slice).collect();
+    let share = SharedPrefixes::find(&views, Some(&delta as &dyn ProjectionDelta)).expect("rows share prompts");
+    // (agent 0, p), (agent 1, q), (agent 1, p), (no adapter, p): a prompt is shared only on one adapter.
+    assert_eq!(share.unique, vec![0, 2, 3, 5]);
+    assert_eq!(share.group_of_row, vec![0, 0, 1, 2, 1, 3]);
+    for sampling in [SamplingConfig::greedy(), SamplingConfig { temperature: 0.9, top_k: 0, top_p: 0.95 }] {
+        let options = GenerateOptions { max_new_tokens: 8, sampling, seed: 0, stop_at_eos: false, use_cache: true };
+        let batched =
+            generate_rows(&model.lm, &[], &prompts, &[], &options, &seeds, Some(&delta as &dyn ProjectionDelta))
+                .unwrap();
+        for (row, generated) in batched.iter().enumerate() {
+            let (own, _) = manager.mixed(&agents[row..=row], false).unwrap();
+            let alone = generate_rows(
+                &model.lm,
+                &[],
+                &prompts[row..=row],
+                &[],
+                &options,
+                &seeds[row..=row],
+                Some(&own as &dyn ProjectionDelta),
+            )
+            .unwrap();
+            common::assert_same_generations(&alone, std::slice::from_ref(generated), &format!("row {row}"));
+        }
+        // Rows sharing a prompt and adapter but not a seed still sample their own replies.
+        if !options.sampling.is_greedy() {
+            assert_ne!(batched[0].output_ids, batched[1].output_ids);
+        }
+    }
+}
+
+/// The rows' reply log-probs in one batch, and the gradients of `sum(weights[row] x logprobs)`.
+fn scored(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    rows: &[Vec<u32>],
+    from: &[usize],
+    agents: &[Option<usize>],
+    weights: &[f32],
+) -> (Vec<Vec<f32>>, BTreeMap<String, AdapterGrads>) {
+    let (delta, used) = manager.mixed(agents, true).unwrap();
+    let batch = ScoringBatch::new(&model.lm, rows).unwrap();
+    let logprobs = completion_logprobs(&model.lm, &batch, from, Some(&delta)).unwrap();
+    let [n, width] = logprobs.dims();
+    let values = logprobs.clone().into_data().try_into_vec::<f32>().unwrap();
+    let host = (0..n).map(|r| values[r * width..r * width + rows[r].len() - from[r]].to_vec()).collect();
+    let weights = Tensor::<2>::from_data(
+        TensorData::new(weights.iter().flat_map(|&w| vec![w; width]).collect::<Vec<_>>(), [n, width]),
+        model.lm.device(),
+    );
+    let grads = (logprobs * weights).sum().backward();
+    let grads =
+        used.iter().filter_map(|(name, adapter)| adapter_grads(adapter, &grads).map(|g| (name.clone(), g))).collect();
+    (host, grads)
+}
+
+#[test]
+fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
+    let (model, manager) = setup();
+    let p = encode(&model, "Player 1 hints red. What do you play?");
+    let q = encode(&model, "North opens 1NT.");
+    let replies = ["Play card 0.", "Discard card 3 now, then hint.", "Pass.", "Play card 2 please."];
+    let prompts = [&p, &p, &q, &p, &q];
+    let agents = [Some(0), Some(0), Some(1), Some(1), Some(1)];
+    let rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(replies.iter().cycle())
+        .map(|(prompt, reply)| {
+            let mut row = (*prompt).clone();
+            row.extend(encode(&model, reply));
+            row
+        })
+        .collect();
+    let from: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
+    let weights = [1.0, -0.5, 2.0, 0.75, -1.5];
+    let (batched, grads) = scored(&model, &manager, &rows, &from, &agents, &weights);
+
+    // The same without sharing: each row alone, gradients summed per adapter.
+    let mut summed: BTreeMap<String, AdapterGrads> = BTreeMap::new();
+    for row in 0..rows.len() {
+        let (alone, own) =
+            scored(&model, &manager, &rows[row..=row], &from[row..=row], &agents[row..=row], &weights[row..=row]);
+        let diff = common::max_abs_diff(&alone[0], &batched[row]);
+        assert!(diff < 1e-5, "row {row}: shared-prefix log-probs differ from the row alone by {diff}");
+        for (name, sites) in own {
+            let total = summed.entry(name).or_default();
+            for (site, (a, b)) in sites {
+                let entry = total.entry(site).or_insert_with(|| (a.zeros_like(), b.zeros_like()));
+                *entry = (entry.0.clone() + a, entry.1.clone() + b);
+            }
+        }
+    }
+    assert_eq!(grads.keys().collect::<Vec<_>>(), summed.keys().collect::<Vec<_>>());
+    for (name, sites) in &grads {
+        let mut scale = 0.0f32;
+        let mut diff = 0.0f32;
+        for (site, (a, b)) in sites {
+            let (ea, eb) = &summed[name][site];
+            scale = scale.max(ea.clone().abs().max().into_scalar()).max(eb.clone().abs().max().into_scalar());
+            diff = diff
+                .max((a.clone() - ea.clone()).abs().max().into_scalar())
+                .max((b.clone() - eb.clone()).abs().max().into_scalar());
+        }
+        assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
+        assert!(diff < 1e-5 * scale.max(1.0), "{name}: shared-prefix gradient differs by {diff} (scale {scale})");
+    }
+}
+
+#[test]
+fn reference_scoring_without_adapters_shares_prompts_too() {
+    let (model, _) = setup();
+    let p = encode(&model, "def main(xs):");
+    let rows: Vec<Vec<u32>> = ["\n    return xs", "\n    pass", "  # todo"]
+        .iter()
+        .map(|reply| {
+            let mut row = p.clone();
+            row.extend(encode(&model, reply));
+            row
+        })
+        .collect();
+    let from = vec![p.len(); rows.len()];
+    let views: Vec<&[u32]> = rows.iter().map(|r| &r[..p.len() - 1]).collect();
+    assert!(SharedPrefixes::find(&views, None).is_some());
+    let batch = ScoringBatch::new(&model.lm, &rows).unwrap();
+    let shared = completion_logprobs(&model.lm, &batch, &from, None).unwrap();
+    let width = shared.dims()[1];
+    let shared = shared.into_data().try_into_vec::<f32>().unwrap();
+    for (row, tokens) in rows.iter().enumerate() {
+        let alone = ScoringBatch::new(&model.lm, std::slice::from_ref(tokens)).unwrap();
+        let alone = completion_logprobs(&model.lm, &alone, &from[row..=row], None).unwrap();
+        let alone = alone.into_data().try_into_vec::<f32>().unwrap();
+        let n = tokens.len() - p.len();
+        let diff = common::max_abs_diff(&alone[..n], &shared[row * width..row * width + n]);
+        assert!(diff < 1e-5, "row {row}: {diff}");
+    }
+}
