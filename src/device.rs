@@ -37,15 +37,21 @@ pub fn default_device() -> Result<Device> {
     }
 }
 
-/// Keeps large tensor buffers in the process heap instead of fresh `mmap`s, so the allocator
-/// reuses them across forward passes rather than page-faulting hundreds of MB of new memory
-/// each time (glibc otherwise maps every block over 32 MB anew). Call once at start-up.
+/// Keeps tensor buffers in the process heap and the heap at its high-water mark, so the
+/// allocator reuses them across forward passes rather than page-faulting hundreds of MB of
+/// fresh, zeroed memory on every pass. glibc otherwise maps blocks over its mmap threshold
+/// (at most 32 MB: a larger `M_MMAP_THRESHOLD` is refused) anew and unmaps them on free, and
+/// returns the heap's free top to the kernel. Mapping is switched off (`M_MMAP_MAX` 0: a
+/// thread arena that cannot hold a block retries in the main heap) and trimming too
+/// (`M_TRIM_THRESHOLD` -1): resident memory stays at the run's peak, which it reaches every
+/// iteration anyway. Measured on `writing_tldr` (small preset): 1.15 million page faults in
+/// two iterations before. Call once at start-up.
 pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only changes glibc's allocation thresholds; it is called before any other
-    // thread allocates, and its arguments are valid parameter codes and values.
+    // SAFETY: mallopt only changes glibc's allocation parameters; it is called before any other
+    // thread allocates, and its arguments are valid parameter codes and values (mallopt(3)).
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 30);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
     }
 }

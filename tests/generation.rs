@@ -114,3 +114,51 @@ fn completion_scoring_equals_full_scoring_at_the_completion_positions() {
     }
     assert!(troupe::generate::completion_logprobs(&model.lm, &batch, &[0, 1, 1], None).is_err());
 }
+
+#[test]
+fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it_grows() {
+    use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
+    let device = Device::flex();
+    let model = Model::builtin(Preset::Tiny, 5, &device).unwrap();
+    let lm = &model.lm;
+    let layers = lm.config.num_hidden_layers;
+    let prompts = prompts(&model);
+    let width = prompts.iter().map(Vec::len).max().unwrap();
+    // Left-padded prompts, then six single-token steps; the reserved cache starts with room
+    // for the prompts and one token, so it must grow on the way.
+    let mut steps: Vec<(Vec<Vec<u32>>, Vec<Vec<bool>>)> = vec![(
+        prompts.iter().map(|p| [vec![0; width - p.len()], p.clone()].concat()).collect(),
+        prompts.iter().map(|p| [vec![false; width - p.len()], vec![true; p.len()]].concat()).collect(),
+    )];
+    for t in 0..6u32 {
+        steps.push((prompts.iter().map(|p| vec![p[0] + t]).collect(), vec![vec![true]; prompts.len()]));
+    }
+    let (mut grown, mut concatenated) = (KvCache::with_capacity(layers, width + 1), KvCache::new(layers));
+    let (mut grown_layout, mut concatenated_layout) =
+        (SequenceLayout::new(prompts.len()), SequenceLayout::new(prompts.len()));
+    let mut rooms = Vec::new();
+    for (tokens, valid) in &steps {
+        let keys = grown.keys_after(valid[0].len());
+        rooms.push(keys);
+        let a = grown_layout.step_within(valid, keys, &device);
+        let b = concatenated_layout.step(valid, &device);
+        let run = |layout: &troupe::model::AttentionLayout, cache: &mut KvCache| {
+            let hidden = lm
+                .hidden_states(
+                    lm.token_tensor(tokens).unwrap(),
+                    ForwardArgs { layout, cache: Some(cache), delta: None },
+                )
+                .unwrap();
+            hidden.into_data().try_into_vec::<f32>().unwrap()
+        };
+        let (x, y) = (run(&a, &mut grown), run(&b, &mut concatenated));
+        // Only the masked room differs: the same keys and values, so the same outputs.
+        let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
+        assert!(diff < 1e-5, "hidden states differ by {diff}");
+        assert_eq!(grown.len(), concatenated.len());
+    }
+    assert_eq!(
+        rooms,
+        vec![width + 1, width + 1, 2 * width + 2, 2 * width + 2, 2 * width + 2, 2 * width + 2, 2 * width + 2]
+    );
+}

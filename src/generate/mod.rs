@@ -181,7 +181,10 @@ pub fn generate_rows(
     let mut done: Vec<bool> = (0..batch).map(|row| constraint(row).is_none() && options.max_new_tokens == 0).collect();
     // Each constrained row's place in its trie.
     let mut nodes = vec![TokenTrie::ROOT; batch];
-    let mut cache = KvCache::new(lm.config.num_hidden_layers);
+    // Room for the prompts and every new token, written in place (it grows if a constrained
+    // row spells a longer sequence).
+    let mut cache =
+        KvCache::with_capacity(lm.config.num_hidden_layers, padded[0].len() + options.max_new_tokens.max(1));
     let mut layout = SequenceLayout::new(batch);
     // Full token history (kept only for the uncached path) and the step's new slots.
     let (mut history, mut history_valid) =
@@ -201,7 +204,8 @@ pub fn generate_rows(
             Some(share) => {
                 let unique_tokens: Vec<Vec<u32>> = share.unique.iter().map(|&r| step_tokens[r].clone()).collect();
                 let unique_valid: Vec<Vec<bool>> = share.unique.iter().map(|&r| step_valid[r].clone()).collect();
-                let attention = SequenceLayout::new(share.unique.len()).step(&unique_valid, &device);
+                let keys = cache.keys_after(unique_valid[0].len());
+                let attention = SequenceLayout::new(share.unique.len()).step_within(&unique_valid, keys, &device);
                 let hidden = lm.hidden_states(
                     lm.token_tensor(&unique_tokens)?,
                     ForwardArgs { layout: &attention, cache: Some(&mut cache), delta: share.unique_delta() },
@@ -215,7 +219,7 @@ pub fn generate_rows(
             None => {
                 let last_hidden = if options.use_cache {
                     let tokens = lm.token_tensor(&step_tokens)?;
-                    let attention = layout.step(&step_valid, &device);
+                    let attention = layout.step_within(&step_valid, cache.keys_after(step_valid[0].len()), &device);
                     let hidden =
                         lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?;
                     let seq = hidden.dims()[1];

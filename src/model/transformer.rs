@@ -67,10 +67,18 @@ impl SequenceLayout {
     /// Appends `new_valid[row].len()` slots to every row (all rows the same count) and returns
     /// the attention layout for a forward over exactly those new slots.
     pub fn step(&mut self, new_valid: &[Vec<bool>], device: &Device) -> AttentionLayout {
+        let keys = self.len() + new_valid.first().map_or(0, Vec::len);
+        self.step_within(new_valid, keys, device)
+    }
+
+    /// [`SequenceLayout::step`] for a cache that presents `keys` slots to attention, at least
+    /// the slots so far: the slots past them (a reserved cache's unwritten room,
+    /// [`KvCache::with_capacity`]) are masked.
+    pub fn step_within(&mut self, new_valid: &[Vec<bool>], keys: usize, device: &Device) -> AttentionLayout {
         let batch = self.valid.len();
         let seq = new_valid.first().map_or(0, Vec::len);
         let past = self.len();
-        let keys = past + seq;
+        debug_assert!(keys >= past + seq, "the keys cover every slot");
         let mut positions = Vec::with_capacity(batch * seq);
         let mut mask = Vec::with_capacity(batch * seq * keys);
         for (row, fresh) in self.valid.iter_mut().zip(new_valid) {
@@ -81,7 +89,7 @@ impl SequenceLayout {
                 positions.push(if is_real { real_before as i64 } else { 0 });
                 real_before += usize::from(is_real);
                 let query_slot = past + i;
-                mask.extend((0..keys).map(|key| key > query_slot || !row[key]));
+                mask.extend((0..keys).map(|key| key > query_slot || !row.get(key).copied().unwrap_or(false)));
             }
         }
         AttentionLayout {
@@ -92,21 +100,38 @@ impl SequenceLayout {
 }
 
 /// Cached keys and values of every layer, grown by each forward call that is given it.
+///
+/// A cache made by [`KvCache::new`] concatenates each call's keys and values to the past ones
+/// (differentiable; what scoring uses). One made by [`KvCache::with_capacity`] reserves room
+/// and writes each call's slots in place (generation: no copy of the whole cache per token),
+/// presenting attention all its room ([`KvCache::keys_after`]); the caller masks the unwritten
+/// slots ([`SequenceLayout::step_within`]).
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
-    /// Per layer: keys and values, each `[batch, kv_heads, cached, head_dim]`.
+    /// Per layer: keys and values, each `[batch, kv_heads, slots, head_dim]` (`slots` is the
+    /// room when reserved, else the cached length).
     layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
+    /// Per layer: slots written so far.
+    filled: Vec<usize>,
+    /// Slots to reserve at the first write, when writing in place.
+    capacity: Option<usize>,
 }
 
 impl KvCache {
     /// An empty cache for a model with `num_layers` layers.
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers] }
+        Self { layers: vec![None; num_layers], filled: vec![0; num_layers], capacity: None }
+    }
+
+    /// An empty cache that reserves `capacity` slots per row and writes in place; it grows
+    /// (doubling) if a call needs more.
+    pub fn with_capacity(num_layers: usize, capacity: usize) -> Self {
+        Self { capacity: Some(capacity), ..Self::new(num_layers) }
     }
 
     /// Number of cached slots per row.
     pub fn len(&self) -> usize {
-        self.layers.first().and_then(|l| l.as_ref()).map_or(0, |(k, _)| k.dims()[2])
+        self.filled.first().copied().unwrap_or(0)
     }
 
     /// Whether nothing is cached yet.
@@ -114,13 +139,35 @@ impl KvCache {
         self.len() == 0
     }
 
+    /// The number of key slots attention sees once `seq` more slots are appended: the cached
+    /// length plus `seq`, or the room a reserved cache will have.
+    pub fn keys_after(&self, seq: usize) -> usize {
+        self.slots_after(0, seq)
+    }
+
+    /// [`KvCache::keys_after`] for `layer`.
+    fn slots_after(&self, layer: usize, seq: usize) -> usize {
+        let needed = self.filled.get(layer).copied().unwrap_or(0) + seq;
+        match self.capacity {
+            None => needed,
+            Some(capacity) => {
+                let room = self.layers.get(layer).and_then(|l| l.as_ref()).map_or(capacity, |(k, _)| k.dims()[2]);
+                if needed <= room {
+                    room
+                } else {
+                    needed.max(2 * room)
+                }
+            }
+        }
+    }
+
     /// Rebuilds the cache for a new batch whose row `i` continues this cache's row `rows[i]`
     /// (a row may be taken several times: a prompt prefilled once, then decoded or scored for
     /// several rows). Differentiable: gradients of the new rows add up in the rows they came from.
     ///
     /// # Shapes
-    /// `rows`: `[new_batch]`; every layer `[batch, kv_heads, cached, head_dim]` ->
-    /// `[new_batch, kv_heads, cached, head_dim]`
+    /// `rows`: `[new_batch]`; every layer `[batch, kv_heads, slots, head_dim]` ->
+    /// `[new_batch, kv_heads, slots, head_dim]`
     pub fn select_rows(&mut self, rows: &Tensor<1, Int>) {
         for layer in self.layers.iter_mut() {
             if let Some((keys, values)) = layer.take() {
@@ -129,12 +176,36 @@ impl KvCache {
         }
     }
 
-    /// Appends this call's keys and values for `layer` and returns the full sequence's.
+    /// Appends this call's keys and values for `layer` and returns what attention reads: the
+    /// full sequence's, or a reserved cache's whole room.
     fn append(&mut self, layer: usize, keys: Tensor<4>, values: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
-        let merged = match self.layers[layer].take() {
-            Some((past_k, past_v)) => (Tensor::cat(vec![past_k, keys], 2), Tensor::cat(vec![past_v, values], 2)),
-            None => (keys, values),
+        let keys_len = keys.dims()[2];
+        let merged = match self.capacity {
+            None => match self.layers[layer].take() {
+                Some((past_k, past_v)) => (Tensor::cat(vec![past_k, keys], 2), Tensor::cat(vec![past_v, values], 2)),
+                None => (keys, values),
+            },
+            Some(_) => {
+                let [batch, heads, seq, dim] = keys.dims();
+                let (start, room) = (self.filled[layer], self.slots_after(layer, seq));
+                let device = keys.device();
+                let reserve = |past: Option<Tensor<4>>| -> Tensor<4> {
+                    match past {
+                        Some(past) if past.dims()[2] == room => past,
+                        Some(past) => {
+                            let fresh = Tensor::zeros([batch, heads, room - start, dim], &device);
+                            Tensor::cat(vec![past.narrow(2, 0, start), fresh], 2)
+                        }
+                        None => Tensor::zeros([batch, heads, room, dim], &device),
+                    }
+                };
+                let (past_k, past_v) = self.layers[layer].take().unzip();
+                let at = [0..batch, 0..heads, start..start + seq, 0..dim];
+                // The past buffers are held only here, so the writes happen in place.
+                (reserve(past_k).slice_assign(at.clone(), keys), reserve(past_v).slice_assign(at, values))
+            }
         };
+        self.filled[layer] += keys_len;
         self.layers[layer] = Some(merged.clone());
         merged
     }
