@@ -10,12 +10,14 @@
 //! operations lane for lane (no fused multiply-add), so every level gives the same products bit
 //! for bit.
 //!
-//! Once per weight row, whatever the number of input rows, [`prepare_row`] converts the row's
-//! scales to f32 and, where the values are not bytes in place, unpacks them to one byte per value:
-//! Q8_0 is read in place; Q4_0 and Q4_1 in place for one input row and unpacked for several;
-//! Q5_0, Q5_1, Q4_K and Q5_K always unpacked (every 32-value sub-block of a K-quant super-block
-//! is then a block with `d_w = d * scale` and `m_w = -(dmin * min)`, as ggml dequantizes it). Q6_K
-//! (16-value scales) and the float types have no integer product here.
+//! Q8_0, Q4_0 and Q4_1 are held regrouped ([`regroup`], once at load): each eight blocks of a row
+//! keep their bytes, but with their f16 scales side by side ahead of their values, so that the
+//! SIMD products convert eight scales with one `vcvtph2ps` and read the values in place (Q4_0 and
+//! Q4_1 are unpacked to one byte per value once per weight row when several input rows share it).
+//! Q5_0, Q5_1, Q4_K and Q5_K are held as stored, and [`prepare_row`] converts each row's scales to
+//! f32 and unpacks its values (every 32-value sub-block of a K-quant super-block is then a block
+//! with `d_w = d * scale` and `m_w = -(dmin * min)`, as ggml dequantizes it). Q6_K (16-value
+//! scales) and the float types have no integer product here.
 
 use super::activations::{padded, Q16Activations, BLOCK};
 use crate::model::gguf::dequant::{scale_min_k4, GgmlType, QK_K};
@@ -57,17 +59,12 @@ impl Level {
 /// How a block format's weight row is read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IntForm {
-    /// Q8_0 in place: 34-byte blocks, signed bytes at 2.
+    /// Q8_0 regrouped, read in place: 32 signed bytes per block.
     Q8_0,
-    /// Q4_0 / Q4_1 in place: `stride`-byte blocks, 16 bytes of nibbles at `at` (value j the low
+    /// Q4_0 / Q4_1 regrouped, read in place: 16 bytes of nibbles per block (value j the low
     /// nibble of byte j, value j + 16 its high nibble).
-    Nibbles {
-        /// Bytes per block.
-        stride: usize,
-        /// Where the nibbles start in a block.
-        at: usize,
-    },
-    /// Unpacked by [`prepare_row`] to one unsigned byte per value and f32 scales.
+    Nibbles,
+    /// Unpacked by [`prepare_row`] to one unsigned byte per value.
     Unpacked,
 }
 
@@ -77,18 +74,136 @@ pub enum IntForm {
 pub fn int_form(ty: GgmlType) -> Option<(IntForm, i32, bool)> {
     match ty {
         GgmlType::Q8_0 => Some((IntForm::Q8_0, 0, false)),
-        GgmlType::Q4_0 => Some((IntForm::Nibbles { stride: 18, at: 2 }, 8, false)),
-        GgmlType::Q4_1 => Some((IntForm::Nibbles { stride: 20, at: 4 }, 0, true)),
+        GgmlType::Q4_0 => Some((IntForm::Nibbles, 8, false)),
+        GgmlType::Q4_1 => Some((IntForm::Nibbles, 0, true)),
         GgmlType::Q5_0 => Some((IntForm::Unpacked, 16, false)),
         GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => Some((IntForm::Unpacked, 0, true)),
         _ => None,
     }
 }
 
+/// Blocks per group of the regrouped layout (and lanes of the SIMD float step).
+pub const GROUP: usize = 8;
+
+/// Where the parts of a block lie in a row regrouped by [`regroup`]: each group of up to eight
+/// blocks (`g` blocks, fewer only at the row's end) takes the bytes its blocks take as stored,
+/// the `g` scales `d` (f16) first, then the `g` minimums `m` (f16; Q4_1), then the `g` blocks'
+/// values, each block's as ggml stores them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GroupLayout {
+    /// Bytes per block (as stored by ggml).
+    pub block_bytes: usize,
+    /// Bytes of values per block (the rest are its f16 scales).
+    pub payload: usize,
+}
+
+impl GroupLayout {
+    /// The layout of `ty`; `None` for the formats held as stored.
+    pub fn of(ty: GgmlType) -> Option<Self> {
+        let payload = match ty {
+            GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q4_1 => 16,
+            _ => return None,
+        };
+        Some(Self { block_bytes: ty.block_bytes(), payload })
+    }
+
+    /// f16 scales per block.
+    fn scales(&self) -> usize {
+        (self.block_bytes - self.payload) / 2
+    }
+
+    /// The group that starts at block `first` (a multiple of 8) of a row of `nb` blocks: its
+    /// first byte and its number of blocks.
+    #[inline(always)]
+    pub fn group(&self, nb: usize, first: usize) -> (usize, usize) {
+        (first * self.block_bytes, (nb - first).min(GROUP))
+    }
+
+    /// From a group's first byte: block `k`'s f16 scale `s` (0: `d`, 1: `m`) in a group of `g`.
+    #[inline(always)]
+    pub fn scale_at(&self, g: usize, k: usize, s: usize) -> usize {
+        2 * (s * g + k)
+    }
+
+    /// From a group's first byte: block `k`'s values in a group of `g`.
+    #[inline(always)]
+    pub fn values_at(&self, g: usize, k: usize) -> usize {
+        g * (self.block_bytes - self.payload) + k * self.payload
+    }
+
+    /// Block `b`'s values in a row of `nb` blocks.
+    #[inline(always)]
+    pub fn block_values_at(&self, nb: usize, b: usize) -> usize {
+        let first = b / GROUP * GROUP;
+        let (base, g) = self.group(nb, first);
+        base + self.values_at(g, b - first)
+    }
+
+    /// Block `b`'s f16 scale `s` in a row of `nb` blocks.
+    #[inline(always)]
+    pub fn block_scale_at(&self, nb: usize, b: usize, s: usize) -> usize {
+        let first = b / GROUP * GROUP;
+        let (base, g) = self.group(nb, first);
+        base + self.scale_at(g, b - first, s)
+    }
+}
+
+/// `bytes`, `rows` rows of `ty` as ggml stores them, regrouped ([`GroupLayout`]): the same
+/// bytes, moved. `ty` must have a [`GroupLayout`].
+pub fn regroup(ty: GgmlType, bytes: &[u8], rows: usize) -> Vec<u8> {
+    let layout = GroupLayout::of(ty).expect("a regrouped format");
+    let (bb, scales) = (layout.block_bytes, layout.scales());
+    let mut out = vec![0u8; bytes.len()];
+    if rows == 0 || bytes.is_empty() {
+        return out;
+    }
+    let width = bytes.len() / rows;
+    let nb = width / bb;
+    for (row, dst) in bytes.chunks_exact(width).zip(out.chunks_exact_mut(width)) {
+        for (b, block) in row.chunks_exact(bb).enumerate() {
+            for s in 0..scales {
+                let at = layout.block_scale_at(nb, b, s);
+                dst[at..at + 2].copy_from_slice(&block[2 * s..2 * s + 2]);
+            }
+            let at = layout.block_values_at(nb, b);
+            dst[at..at + layout.payload].copy_from_slice(&block[2 * scales..]);
+        }
+    }
+    out
+}
+
+/// Block `b` of a regrouped row of `ty`, as ggml stores it, into `out` (`ty.block_bytes()`).
+pub fn ungroup_block(ty: GgmlType, row: &[u8], b: usize, out: &mut [u8]) {
+    let layout = GroupLayout::of(ty).expect("a regrouped format");
+    let (bb, scales) = (layout.block_bytes, layout.scales());
+    let nb = row.len() / bb;
+    for s in 0..scales {
+        let at = layout.block_scale_at(nb, b, s);
+        out[2 * s..2 * s + 2].copy_from_slice(&row[at..at + 2]);
+    }
+    let at = layout.block_values_at(nb, b);
+    out[2 * scales..bb].copy_from_slice(&row[at..at + layout.payload]);
+}
+
+/// Where a weight row's block scales are read.
+#[derive(Clone, Copy, Debug)]
+pub enum Scales<'a> {
+    /// In the regrouped row's bytes, as f16.
+    Grouped(GroupLayout),
+    /// Converted by [`prepare_row`].
+    F32 {
+        /// `[padded(blocks)]`: `d_w` per block, zero in the padding.
+        dw: &'a [f32],
+        /// `[padded(blocks)]`: `m_w` per block (formats with a minimum), zero in the padding.
+        mw: &'a [f32],
+    },
+}
+
 /// One weight row, ready to be dotted.
 #[derive(Clone, Copy, Debug)]
 pub struct WeightRow<'a> {
-    /// The row's bytes as stored (in-place forms).
+    /// The row's bytes as held (regrouped for Q8_0, Q4_0 and Q4_1).
     pub bytes: &'a [u8],
     /// How its values are read.
     pub form: IntForm,
@@ -98,10 +213,32 @@ pub struct WeightRow<'a> {
     pub has_min: bool,
     /// `[cols]`: the unpacked values (`IntForm::Unpacked`).
     pub unpacked: &'a [u8],
-    /// `[padded(blocks)]`: `d_w` per block, zero in the padding.
-    pub dw: &'a [f32],
-    /// `[padded(blocks)]`: `m_w` per block (formats with a minimum), zero in the padding.
-    pub mw: &'a [f32],
+    /// Where its block scales are.
+    pub scales: Scales<'a>,
+}
+
+impl WeightRow<'_> {
+    /// Block `b`'s `d_w` and `m_w` (zero without a minimum), in a row of `nb` blocks.
+    #[inline(always)]
+    pub fn block_scales(&self, nb: usize, b: usize) -> (f32, f32) {
+        match self.scales {
+            Scales::F32 { dw, mw } => (dw[b], if self.has_min { mw[b] } else { 0.0 }),
+            Scales::Grouped(layout) => {
+                let d = f16_at(self.bytes, layout.block_scale_at(nb, b, 0));
+                let m = if self.has_min { f16_at(self.bytes, layout.block_scale_at(nb, b, 1)) } else { 0.0 };
+                (d, m)
+            }
+        }
+    }
+
+    /// Where block `b`'s values are in `bytes` (the regrouped forms), in a row of `nb` blocks.
+    #[inline(always)]
+    fn values_at(&self, nb: usize, b: usize) -> usize {
+        match self.scales {
+            Scales::Grouped(layout) => layout.block_values_at(nb, b),
+            Scales::F32 { .. } => unreachable!("the in-place forms are regrouped"),
+        }
+    }
 }
 
 /// One input row in 16-bit blocks.
@@ -141,7 +278,7 @@ pub fn f16_at(bytes: &[u8], at: usize) -> f32 {
     f32::from_bits(sign | bits)
 }
 
-/// One weight row's scales and unpacked values (one per parallel task, reused row after row).
+/// One weight row's f32 scales and unpacked values (one per parallel task, reused row after row).
 #[derive(Debug, Default)]
 pub struct Scratch {
     /// `[padded(blocks)]`: `d_w` per block.
@@ -160,9 +297,9 @@ impl Scratch {
     }
 }
 
-/// Row `bytes` of type `ty` ready to be dotted with `inputs` input rows: its scales in f32 and,
-/// where its form needs it, its values unpacked, in `scratch` (on `level`; every level writes the
-/// same values).
+/// Row `bytes` of type `ty` (regrouped for Q8_0, Q4_0 and Q4_1) ready to be dotted with `inputs`
+/// input rows: where its form needs it, its scales in f32 and its values unpacked into `scratch`
+/// (on `level`; every level writes the same values).
 pub fn prepare_row<'a>(
     level: Level,
     ty: GgmlType,
@@ -171,51 +308,38 @@ pub fn prepare_row<'a>(
     scratch: &'a mut Scratch,
 ) -> WeightRow<'a> {
     let (mut form, offset, has_min) = int_form(ty).expect("a format with an integer product");
-    let nb = bytes.len() / ty.block_bytes() * (ty.block_size() / BLOCK);
-    match form {
-        IntForm::Q8_0 => f16_scales(level, bytes, 34, 0, &mut scratch.dw[..nb]),
-        IntForm::Nibbles { stride, at } => {
-            f16_scales(level, bytes, stride, 0, &mut scratch.dw[..nb]);
-            if has_min {
-                f16_scales(level, bytes, stride, 2, &mut scratch.mw[..nb]);
-            }
-            // Unpacked once rather than once per input row.
-            if inputs > 1 {
-                unpack_nibbles(level, bytes, stride, at, &mut scratch.unpacked[..nb * BLOCK]);
+    let scales = match GroupLayout::of(ty) {
+        Some(layout) => {
+            // Nibbles unpacked once rather than once per input row.
+            if form == IntForm::Nibbles && inputs > 1 {
+                let nb = bytes.len() / layout.block_bytes;
+                unpack_nibbles(level, bytes, layout, &mut scratch.unpacked[..nb * BLOCK]);
                 form = IntForm::Unpacked;
             }
+            Scales::Grouped(layout)
         }
-        IntForm::Unpacked => unpack(ty, bytes, scratch),
-    }
-    WeightRow { bytes, form, offset, has_min, unpacked: &scratch.unpacked, dw: &scratch.dw, mw: &scratch.mw }
+        None => {
+            unpack(ty, bytes, scratch);
+            Scales::F32 { dw: &scratch.dw, mw: &scratch.mw }
+        }
+    };
+    WeightRow { bytes, form, offset, has_min, unpacked: &scratch.unpacked, scales }
 }
 
-/// The f16 at byte `at` of every `stride`-byte block of `bytes`, as f32, into `out`.
-fn f16_scales(level: Level, bytes: &[u8], stride: usize, at: usize, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if level != Level::Scalar {
-        // SAFETY: every level above `Scalar` was detected with avx2 and f16c.
-        unsafe { super::x86::f16_scales(bytes, stride, at, out) };
-        return;
-    }
-    let _ = level;
-    for (b, d) in out.iter_mut().enumerate() {
-        *d = f16_at(bytes, b * stride + at);
-    }
-}
-
-/// The 32 values of every Q4_0 / Q4_1 block (16 bytes of nibbles at `at` of each `stride`-byte
-/// block; value j the low nibble of byte j, value j + 16 its high nibble) into `out`.
-fn unpack_nibbles(level: Level, bytes: &[u8], stride: usize, at: usize, out: &mut [u8]) {
+/// The 32 values of every block of a regrouped Q4_0 / Q4_1 row (value j the low nibble of byte
+/// j, value j + 16 its high nibble) into `out`.
+fn unpack_nibbles(level: Level, bytes: &[u8], layout: GroupLayout, out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
     if level != Level::Scalar {
         // SAFETY: every level above `Scalar` was detected with avx2.
-        unsafe { super::x86::unpack_nibbles(bytes, stride, at, out) };
+        unsafe { super::x86::unpack_nibbles(bytes, layout, out) };
         return;
     }
     let _ = level;
+    let nb = out.len() / BLOCK;
     for (b, values) in out.chunks_exact_mut(BLOCK).enumerate() {
-        let q = &bytes[b * stride + at..b * stride + at + 16];
+        let at = layout.block_values_at(nb, b);
+        let q = &bytes[at..at + 16];
         for j in 0..16 {
             values[j] = q[j] & 0x0F;
             values[j + 16] = q[j] >> 4;
@@ -294,20 +418,48 @@ pub fn rows_dot(level: Level, w: &WeightRow<'_>, xs: &[InputRow<'_>], out: &mut 
     }
 }
 
+/// Consecutive rows of a regrouped `ty` (`bytes`, `out.len()` rows of equal width) each dotted
+/// with the one input row `x`, into `out`, on `level`: [`rows_dot`] row by row, with the loop
+/// over the rows inside the SIMD code.
+pub fn rows_dot_one(level: Level, ty: GgmlType, bytes: &[u8], x: &InputRow<'_>, out: &mut [f32]) {
+    let (form, offset, has_min) = int_form(ty).expect("a format with an integer product");
+    let layout = GroupLayout::of(ty).expect("a regrouped format");
+    let w = WeightRow { bytes: &[], form, offset, has_min, unpacked: &[], scales: Scales::Grouped(layout) };
+    let width = bytes.len() / out.len().max(1);
+    match level {
+        // SAFETY: `Level::Avx2` is only made by `Level::detect` / `available` after
+        // `is_x86_feature_detected!` found avx2 and f16c.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2 => unsafe { super::x86::rows_one_avx2(&w, bytes, width, x, out) },
+        // SAFETY: `Level::Avx512Vnni` is only made after `is_x86_feature_detected!` found avx2,
+        // f16c, avx512vnni and avx512vl.
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512Vnni => unsafe { super::x86::rows_one_vnni(&w, bytes, width, x, out) },
+        _ => {
+            for (row, o) in bytes.chunks_exact(width.max(1)).zip(out) {
+                *o = row_dot_scalar(&WeightRow { bytes: row, ..w }, x);
+            }
+        }
+    }
+}
+
 /// Block `b`'s exact integer sum of `w`'s values (offset not applied) times `x`'s.
 #[inline(always)]
 fn block_sum(w: &WeightRow<'_>, x: &[i16], b: usize) -> i32 {
+    let nb = x.len() / BLOCK;
     let xb = &x[b * BLOCK..(b + 1) * BLOCK];
     let mut acc = 0i32;
     match w.form {
         IntForm::Q8_0 => {
-            let q = &w.bytes[b * 34 + 2..b * 34 + 34];
+            let at = w.values_at(nb, b);
+            let q = &w.bytes[at..at + 32];
             for l in 0..BLOCK {
                 acc += (q[l] as i8) as i32 * xb[l] as i32;
             }
         }
-        IntForm::Nibbles { stride, at } => {
-            let q = &w.bytes[b * stride + at..b * stride + at + 16];
+        IntForm::Nibbles => {
+            let at = w.values_at(nb, b);
+            let q = &w.bytes[at..at + 16];
             for l in 0..16 {
                 acc += (q[l] & 0x0F) as i32 * xb[l] as i32 + (q[l] >> 4) as i32 * xb[l + 16] as i32;
             }
@@ -325,11 +477,13 @@ fn block_sum(w: &WeightRow<'_>, x: &[i16], b: usize) -> i32 {
 /// The portable definition of the product (see the module documentation).
 pub fn row_dot_scalar(w: &WeightRow<'_>, x: &InputRow<'_>) -> f32 {
     let mut acc = [0.0f32; 8];
-    for b in 0..x.q.len() / BLOCK {
+    let nb = x.q.len() / BLOCK;
+    for b in 0..nb {
         let isum = block_sum(w, x.q, b) - w.offset * x.sums[b];
-        let mut t = (w.dw[b] * x.d[b]) * isum as f32;
+        let (dw, mw) = w.block_scales(nb, b);
+        let mut t = (dw * x.d[b]) * isum as f32;
         if w.has_min {
-            t += w.mw[b] * x.s[b];
+            t += mw * x.s[b];
         }
         acc[b % 8] += t;
     }

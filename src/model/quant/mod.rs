@@ -32,7 +32,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use half::f16;
 use rayon::prelude::*;
 
-use super::gguf::dequant::{dequantize, GgmlType};
+use super::gguf::dequant::{dequantize, dequantize_block, GgmlType};
 use super::gguf::BlockMatrix;
 use crate::error::{Result, TroupeError};
 
@@ -100,7 +100,9 @@ pub fn quantize_float_matrix(values: &[f32], rows: usize, cols: usize) -> BlockM
 }
 
 /// A frozen matrix `W` (`[rows, cols]` = `[out_features, in_features]`) kept as one or more
-/// stacked parts in block formats (stacked q/k/v may each have their own type).
+/// stacked parts in block formats (stacked q/k/v may each have their own type). Q8_0, Q4_0 and
+/// Q4_1 parts are held regrouped ([`int_dot::regroup`]: the same bytes, each eight blocks'
+/// scales side by side), the others as stored.
 #[derive(Clone, Debug)]
 pub struct QuantizedWeight {
     parts: Arc<Vec<BlockMatrix>>,
@@ -109,22 +111,27 @@ pub struct QuantizedWeight {
 }
 
 impl QuantizedWeight {
-    /// Stacks `parts` along the rows; every part must have the same `cols`.
+    /// Stacks `parts` (block bytes as ggml stores them) along the rows; every part must have the
+    /// same `cols`.
     pub fn new(parts: Vec<BlockMatrix>) -> Self {
         let cols = parts.first().map_or(0, |p| p.cols);
         debug_assert!(parts.iter().all(|p| p.cols == cols), "stacked parts share their columns");
         let rows = parts.iter().map(|p| p.rows).sum();
+        let parts = parts
+            .into_iter()
+            .map(|mut p| {
+                if int_dot::GroupLayout::of(p.ggml_type).is_some() {
+                    p.bytes = int_dot::regroup(p.ggml_type, &p.bytes, p.rows);
+                }
+                p
+            })
+            .collect();
         Self { parts: Arc::new(parts), rows, cols }
     }
 
     /// `[rows, cols]`: `[out_features, in_features]`.
     pub fn dims(&self) -> [usize; 2] {
         [self.rows, self.cols]
-    }
-
-    /// The stacked parts.
-    pub fn parts(&self) -> &[BlockMatrix] {
-        &self.parts
     }
 
     /// Bytes the blocks take in memory.
@@ -147,7 +154,19 @@ impl QuantizedWeight {
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
         let (part, local) = self.part_row(row);
         let width = part.row_bytes();
-        dequantize(part.ggml_type, &part.bytes[local * width..(local + 1) * width], out);
+        let bytes = &part.bytes[local * width..(local + 1) * width];
+        let ty = part.ggml_type;
+        if int_dot::GroupLayout::of(ty).is_some() {
+            // Block by block, each put back as ggml stores it.
+            let mut block = [0u8; 34];
+            let block = &mut block[..ty.block_bytes()];
+            for (b, values) in out.chunks_exact_mut(ty.block_size()).enumerate() {
+                int_dot::ungroup_block(ty, bytes, b, block);
+                dequantize_block(ty, block, values);
+            }
+        } else {
+            dequantize(ty, bytes, out);
+        }
     }
 
     /// All of `W`, row-major `[rows, cols]`, dequantized in parallel.
@@ -216,7 +235,8 @@ impl QuantizedWeight {
 
     /// One task of the fused product: output rows `first..` (as many as `tile` holds, `[rows, m]`)
     /// for all inputs. Each weight row is read once and dotted with every input row while it is
-    /// in L1 (unpacked once, where its format needs it).
+    /// in L1 (unpacked once, where its format needs it); with one input row, the rows of a
+    /// regrouped part are looped over inside the SIMD code.
     fn fused_tile(
         &self,
         inputs: &Inputs<'_>,
@@ -226,21 +246,33 @@ impl QuantizedWeight {
         buf: &mut [f32],
     ) {
         let (cols, m) = (self.cols, inputs.m);
-        for (j, out) in tile.chunks_exact_mut(m).enumerate() {
+        let mut j = 0;
+        while j < tile.len() / m {
             let (part, local) = self.part_row(first + j);
             let width = part.row_bytes();
+            let ty = part.ggml_type;
+            if m == 1 && int_dot::GroupLayout::of(ty).is_some() {
+                // The rest of this part within the tile, in one call.
+                let n = (part.rows - local).min(tile.len() - j);
+                let bytes = &part.bytes[local * width..(local + n) * width];
+                int_dot::rows_dot_one(inputs.level, ty, bytes, &inputs.rows[0], &mut tile[j..j + n]);
+                j += n;
+                continue;
+            }
+            let out = &mut tile[j * m..(j + 1) * m];
             let bytes = &part.bytes[local * width..(local + 1) * width];
-            if int_dot::int_form(part.ggml_type).is_some() {
-                let row = int_dot::prepare_row(inputs.level, part.ggml_type, bytes, m, scratch);
+            if int_dot::int_form(ty).is_some() {
+                let row = int_dot::prepare_row(inputs.level, ty, bytes, m, scratch);
                 int_dot::rows_dot(inputs.level, &row, &inputs.rows, out);
             } else {
                 // Q6_K and the float types: the row dequantized into an L1-resident buffer,
                 // dotted with the f32 inputs.
-                dequantize(part.ggml_type, bytes, buf);
+                dequantize(ty, bytes, buf);
                 for (i, o) in out.iter_mut().enumerate() {
                     *o = float_dot(inputs.level, &inputs.x[i * cols..(i + 1) * cols], buf);
                 }
             }
+            j += 1;
         }
     }
 }
@@ -586,6 +618,27 @@ mod tests {
                     assert!(err <= 1e-6 * scale.max(1.0), "{} [{i}, {r}]: {} vs {want}", ty.name(), got[i * rows + r]);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn regrouped_rows_hold_the_stored_blocks_and_dequantize_alike() {
+        // 25 blocks a row: three whole groups and one of a single block.
+        for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+            let stored = random_blocks(ty, 3, 800, 3);
+            let w = QuantizedWeight::new(vec![stored.clone()]);
+            let regrouped = &w.parts[0].bytes;
+            assert_ne!(regrouped, &stored.bytes, "{}", ty.name());
+            let width = stored.row_bytes();
+            let mut block = vec![0u8; ty.block_bytes()];
+            for r in 0..3 {
+                for (b, want) in stored.bytes[r * width..(r + 1) * width].chunks_exact(ty.block_bytes()).enumerate() {
+                    int_dot::ungroup_block(ty, &regrouped[r * width..(r + 1) * width], b, &mut block);
+                    assert_eq!(block, want, "{} row {r} block {b}", ty.name());
+                }
+            }
+            let same = w.dequantize().iter().zip(stored.dequantize()).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{}", ty.name());
         }
     }
 
