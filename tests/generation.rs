@@ -126,7 +126,9 @@ fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it
     let width = prompts.iter().map(Vec::len).max().unwrap();
     // Left-padded prompts, then six single-token steps; the reserved cache starts with room
     // for the prompts and one token, so it must grow on the way.
-    let mut steps: Vec<(Vec<Vec<u32>>, Vec<Vec<bool>>)> = vec![(
+    // Each step's tokens and their validity.
+    type Step = (Vec<Vec<u32>>, Vec<Vec<bool>>);
+    let mut steps: Vec<Step> = vec![(
         prompts.iter().map(|p| [vec![0; width - p.len()], p.clone()].concat()).collect(),
         prompts.iter().map(|p| [vec![false; width - p.len()], vec![true; p.len()]].concat()).collect(),
     )];
