@@ -164,3 +164,22 @@ fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it
         vec![width + 1, width + 1, 2 * width + 2, 2 * width + 2, 2 * width + 2, 2 * width + 2, 2 * width + 2]
     );
 }
+
+#[test]
+fn generation_past_the_reserved_cache_room_matches_full_recompute() {
+    // More new tokens than generation reserves room for up front (128): the cache grows mid-way.
+    let device = Device::flex();
+    let model = Model::builtin(Preset::Tiny, 9, &device).unwrap();
+    let prompts = prompts(&model)[..2].to_vec();
+    let options = GenerateOptions {
+        max_new_tokens: 140,
+        sampling: SamplingConfig { temperature: 0.8, top_k: 0, top_p: 0.9 },
+        seed: 4,
+        stop_at_eos: false,
+        use_cache: true,
+    };
+    let cached = generate(&model.lm, &[], &prompts, &options, None).unwrap();
+    let full = generate(&model.lm, &[], &prompts, &GenerateOptions { use_cache: false, ..options }, None).unwrap();
+    common::assert_same_generations(&cached, &full, "grown cache vs full");
+    assert!(cached.iter().all(|g| g.output_ids.len() == 140));
+}

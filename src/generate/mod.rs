@@ -62,6 +62,10 @@ pub struct Generation {
     pub sequence: Option<usize>,
 }
 
+/// New tokens a generation reserves KV-cache room for before its first step; the cache grows
+/// (doubling) when rows go on past them.
+const RESERVED_NEW_TOKENS: usize = 128;
+
 /// Pads rows on the left with `pad` to the longest row's length.
 /// Returns the padded rows and each slot's validity.
 fn left_pad(rows: &[Vec<u32>], pad: u32) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
@@ -181,10 +185,11 @@ pub fn generate_rows(
     let mut done: Vec<bool> = (0..batch).map(|row| constraint(row).is_none() && options.max_new_tokens == 0).collect();
     // Each constrained row's place in its trie.
     let mut nodes = vec![TokenTrie::ROOT; batch];
-    // Room for the prompts and every new token, written in place (it grows if a constrained
-    // row spells a longer sequence).
-    let mut cache =
-        KvCache::with_capacity(lm.config.num_hidden_layers, padded[0].len() + options.max_new_tokens.max(1));
+    // Keys and values written in place: room for the prompts and the new tokens, reserved for
+    // at most `RESERVED_NEW_TOKENS` of them up front (a long `max_new_tokens` whose replies stop
+    // early must not hold a cache for all of it) and grown by doubling past that.
+    let reserved = options.max_new_tokens.clamp(1, RESERVED_NEW_TOKENS);
+    let mut cache = KvCache::with_capacity(lm.config.num_hidden_layers, padded[0].len() + reserved);
     let mut layout = SequenceLayout::new(batch);
     // Full token history (kept only for the uncached path) and the step's new slots.
     let (mut history, mut history_valid) =
