@@ -82,6 +82,32 @@ fn left_pad(rows: &[Vec<u32>], pad: u32) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
         .unzip()
 }
 
+/// Pads rows on the right with `pad` to the longest row's length.
+/// Returns the padded rows and each slot's validity.
+fn right_pad<R: AsRef<[u32]>>(rows: &[R], pad: u32) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
+    let width = rows.iter().map(|r| r.as_ref().len()).max().unwrap_or(0);
+    rows.iter()
+        .map(|row| {
+            let row = row.as_ref();
+            let mut tokens = row.to_vec();
+            tokens.resize(width, pad);
+            let mut valid = vec![true; row.len()];
+            valid.resize(width, false);
+            (tokens, valid)
+        })
+        .unzip()
+}
+
+/// The logits at the last slot of every row after a forward over `tokens`, read to the host.
+///
+/// # Shapes
+/// `tokens`: `[batch, seq]` -> `batch` rows of `vocab`
+fn last_logits_rows(lm: &CausalLm, tokens: &[Vec<u32>], args: ForwardArgs<'_>) -> Result<Vec<Vec<f32>>> {
+    let hidden = lm.hidden_states(lm.token_tensor(tokens)?, args)?;
+    let seq = hidden.dims()[1];
+    Ok(to_rows(lm.logits(hidden.narrow(1, seq - 1, 1)).squeeze_dim::<2>(1)))
+}
+
 /// Reads a `[batch, vocab]` tensor to host rows.
 fn to_rows(logits: Tensor<2>) -> Vec<Vec<f32>> {
     let [_, vocab] = logits.dims();
@@ -211,32 +237,19 @@ pub fn generate_rows(
                 let unique_valid: Vec<Vec<bool>> = share.unique.iter().map(|&r| step_valid[r].clone()).collect();
                 let keys = cache.keys_after(unique_valid[0].len());
                 let attention = SequenceLayout::new(share.unique.len()).step_within(&unique_valid, keys, &device);
-                let hidden = lm.hidden_states(
-                    lm.token_tensor(&unique_tokens)?,
-                    ForwardArgs { layout: &attention, cache: Some(&mut cache), delta: share.unique_delta() },
-                )?;
-                let seq = hidden.dims()[1];
-                let unique_rows = to_rows(lm.logits(hidden.narrow(1, seq - 1, 1)).squeeze_dim::<2>(1));
+                let args = ForwardArgs { layout: &attention, cache: Some(&mut cache), delta: share.unique_delta() };
+                let unique_rows = last_logits_rows(lm, &unique_tokens, args)?;
                 cache.select_rows(&share.row_index(&device));
                 layout.extend(&step_valid);
                 share.group_of_row.iter().map(|&g| unique_rows[g].clone()).collect()
             }
+            None if options.use_cache => {
+                let attention = layout.step_within(&step_valid, cache.keys_after(step_valid[0].len()), &device);
+                last_logits_rows(lm, &step_tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?
+            }
             None => {
-                let last_hidden = if options.use_cache {
-                    let tokens = lm.token_tensor(&step_tokens)?;
-                    let attention = layout.step_within(&step_valid, cache.keys_after(step_valid[0].len()), &device);
-                    let hidden =
-                        lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?;
-                    let seq = hidden.dims()[1];
-                    hidden.narrow(1, seq - 1, 1)
-                } else {
-                    let tokens = lm.token_tensor(&history)?;
-                    let attention = SequenceLayout::new(batch).step(&history_valid, &device);
-                    let hidden = lm.hidden_states(tokens, ForwardArgs { layout: &attention, cache: None, delta })?;
-                    let seq = hidden.dims()[1];
-                    hidden.narrow(1, seq - 1, 1)
-                };
-                to_rows(lm.logits(last_hidden).squeeze_dim::<2>(1))
+                let attention = SequenceLayout::new(batch).step(&history_valid, &device);
+                last_logits_rows(lm, &history, ForwardArgs { layout: &attention, cache: None, delta })?
             }
         };
         step_tokens = Vec::with_capacity(batch);
@@ -316,17 +329,7 @@ impl ScoringBatch {
         if rows.is_empty() || rows.iter().any(|r| r.len() < 2) {
             return Err(TroupeError::invalid("rows", "scoring needs at least two tokens per row"));
         }
-        let width = rows.iter().map(Vec::len).max().unwrap_or(0);
-        let mut padded = Vec::with_capacity(rows.len());
-        let mut valid = Vec::with_capacity(rows.len());
-        for row in rows {
-            let mut tokens = row.clone();
-            tokens.resize(width, 0);
-            padded.push(tokens);
-            let mut flags = vec![true; row.len()];
-            flags.resize(width, false);
-            valid.push(flags);
-        }
+        let (padded, valid) = right_pad(rows, 0);
         Ok(Self { tokens: lm.token_tensor(&padded)?, valid, lengths: rows.iter().map(Vec::len).collect() })
     }
 }
@@ -419,20 +422,8 @@ fn shared_completion_logprobs(
 ) -> Result<Tensor<2>> {
     let device = lm.device().clone();
     // Both parts right-padded: every query then sees at least its row's first token.
-    let pad = |parts: Vec<&[u32]>| -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
-        let width = parts.iter().map(|p| p.len()).max().unwrap_or(0);
-        parts
-            .into_iter()
-            .map(|part| {
-                let mut tokens = part.to_vec();
-                tokens.resize(width, 0);
-                let mut valid = vec![true; part.len()];
-                valid.resize(width, false);
-                (tokens, valid)
-            })
-            .unzip()
-    };
-    let (prefix_tokens, prefix_valid) = pad(share.unique.iter().map(|&r| &rows[r][..from[r] - 1]).collect());
+    let prefixes: Vec<&[u32]> = share.unique.iter().map(|&r| &rows[r][..from[r] - 1]).collect();
+    let (prefix_tokens, prefix_valid) = right_pad(&prefixes, 0);
     let mut cache = KvCache::new(lm.config.num_hidden_layers);
     let prefix_layout = SequenceLayout::new(share.unique.len()).step(&prefix_valid, &device);
     lm.hidden_states(
@@ -442,7 +433,8 @@ fn shared_completion_logprobs(
     cache.select_rows(&share.row_index(&device));
     let mut layout = SequenceLayout::new(rows.len());
     layout.extend(&share.group_of_row.iter().map(|&g| prefix_valid[g].clone()).collect::<Vec<_>>());
-    let (suffix_tokens, suffix_valid) = pad(rows.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect());
+    let suffixes: Vec<&[u32]> = rows.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect();
+    let (suffix_tokens, suffix_valid) = right_pad(&suffixes, 0);
     let attention = layout.step(&suffix_valid, &device);
     let hidden = lm.hidden_states(
         lm.token_tensor(&suffix_tokens)?,
@@ -518,10 +510,7 @@ pub fn score_rows(lm: &CausalLm, rows: &[Vec<u32>], delta: Option<&dyn Projectio
 pub fn last_logits(lm: &CausalLm, tokens: &[u32], delta: Option<&dyn ProjectionDelta>) -> Result<Vec<f32>> {
     let device = lm.device().clone();
     let layout = SequenceLayout::new(1).step(&[vec![true; tokens.len()]], &device);
-    let hidden =
-        lm.hidden_states(lm.token_tensor(&[tokens.to_vec()])?, ForwardArgs { layout: &layout, cache: None, delta })?;
-    let last = hidden.narrow(1, tokens.len() - 1, 1);
-    Ok(to_rows(lm.logits(last).squeeze_dim::<2>(1)).remove(0))
+    Ok(last_logits_rows(lm, &[tokens.to_vec()], ForwardArgs { layout: &layout, cache: None, delta })?.remove(0))
 }
 
 #[cfg(test)]

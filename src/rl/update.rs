@@ -114,8 +114,7 @@ impl Scorer<'_> {
         skip: bool,
     ) -> (Vec<(usize, Vec<&'b TrainRow>)>, Vec<(usize, Vec<&'b TrainRow>)>) {
         let (replies, choices) = self.chunks(batch);
-        let dropout =
-            batch.rows.iter().any(|r| self.manager.adapter(r.agent).is_ok_and(|a| a.config.lora_dropout > 0.0));
+        let dropout = self.has_dropout(batch.rows.iter());
         let micro = self.micro_batch_rows.max(1);
         let plan = |chunks: Vec<Vec<&'b TrainRow>>| -> Vec<(usize, Vec<&'b TrainRow>)> {
             if !skip {
@@ -297,12 +296,17 @@ impl Scorer<'_> {
             + choices.iter().flatten().map(|r| self.row_flops(r)).sum::<f64>()
     }
 
+    /// Whether any of `rows` is scored by an adapter with dropout (whose rows then draw their
+    /// own masks).
+    fn has_dropout<'b>(&self, mut rows: impl Iterator<Item = &'b TrainRow>) -> bool {
+        rows.any(|r| self.manager.adapter(r.agent).is_ok_and(|a| a.config.lora_dropout > 0.0))
+    }
+
     /// Forward FLOPs of scoring one micro-batch of replies, where rows that share everything
     /// before their last prompt token (on one adapter, when `on_adapters`) compute it once
     /// ([`crate::generate::completion_logprobs`]); under adapter dropout nothing is shared.
     fn replies_flops(&self, chunk: &[&TrainRow], on_adapters: bool) -> f64 {
-        let dropout = on_adapters
-            && chunk.iter().any(|r| self.manager.adapter(r.agent).is_ok_and(|a| a.config.lora_dropout > 0.0));
+        let dropout = on_adapters && self.has_dropout(chunk.iter().copied());
         if dropout {
             return chunk.iter().map(|r| self.row_flops(r)).sum();
         }

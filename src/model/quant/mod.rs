@@ -552,16 +552,10 @@ mod tests {
         BlockMatrix { ggml_type: ty, rows, cols, bytes }
     }
 
-    const BLOCK_TYPES: [GgmlType; 8] = [
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q4_1,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q4_K,
-        GgmlType::Q5_K,
-        GgmlType::Q6_K,
-    ];
+    /// Every block format troupe reads (the quantized types of [`GgmlType::ALL`]).
+    fn block_types() -> impl Iterator<Item = GgmlType> {
+        GgmlType::ALL.into_iter().filter(|t| t.is_quantized())
+    }
 
     #[test]
     fn every_instruction_set_gives_the_portable_products_bit_for_bit() {
@@ -569,7 +563,7 @@ mod tests {
         eprintln!("levels on this CPU: {levels:?}");
         // 768 columns: three K-quant super-blocks, 24 blocks of 32 (three groups of eight), and
         // 800 for a group cut short (25 blocks).
-        for (ty, cols) in BLOCK_TYPES.iter().flat_map(|t| [(*t, 768usize), (*t, 800)]) {
+        for (ty, cols) in block_types().flat_map(|t| [(t, 768usize), (t, 800)]) {
             if !cols.is_multiple_of(ty.block_size()) {
                 continue;
             }
@@ -594,7 +588,7 @@ mod tests {
         // Exactly what the blocks and the 16-bit inputs encode, summed in f64: only the float
         // step's rounding separates the two.
         let (rows, cols) = (9, 512);
-        for ty in BLOCK_TYPES {
+        for ty in block_types() {
             let w = QuantizedWeight::new(vec![random_blocks(ty, rows, cols, 7)]);
             let dense = w.dequantize();
             let m = 3;
