@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
+use crate::model::fused::token_logprobs;
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
 pub use constrained::{NodeId, TokenTrie, TrieStep};
 use prefix::SharedPrefixes;
@@ -353,7 +354,7 @@ pub fn next_token_logprobs(
     let layout = SequenceLayout::new(rows).step(&batch.valid, lm.device());
     let hidden = lm.hidden_states(batch.tokens.clone(), ForwardArgs { layout: &layout, cache: None, delta })?;
     let hidden = hidden.narrow(1, 0, seq - 1);
-    let targets = batch.tokens.clone().narrow(1, 1, seq - 1);
+    let tokens: Vec<u32> = batch.tokens.clone().into_data().convert::<i64>().iter::<i64>().map(|t| t as u32).collect();
     let per_row = (seq - 1) * lm.config.vocab_size;
     let chunk = (LOGIT_CHUNK_ELEMENTS / per_row.max(1)).clamp(1, rows);
     let mut parts = Vec::with_capacity(rows.div_ceil(chunk));
@@ -361,11 +362,10 @@ pub fn next_token_logprobs(
     while start < rows {
         let n = chunk.min(rows - start);
         let logits = lm.logits(hidden.clone().narrow(0, start, n));
-        // log p(target) = logit[target] - logsumexp(logits): no full-size log-softmax tensor.
-        let max = logits.clone().detach().max_dim(2);
-        let lse = (logits.clone() - max.clone()).exp().sum_dim(2).log() + max;
-        let target = logits.gather(2, targets.clone().narrow(0, start, n).unsqueeze_dim::<3>(2));
-        parts.push((target - lse).squeeze_dim::<2>(2));
+        let targets: Vec<u32> =
+            (start..start + n).flat_map(|b| tokens[b * seq + 1..(b + 1) * seq].iter().copied()).collect();
+        let flat = logits.reshape([n * (seq - 1), lm.config.vocab_size]);
+        parts.push(token_logprobs(flat, &targets).reshape([n, seq - 1]));
         start += n;
     }
     Ok(if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 0) })
@@ -468,7 +468,7 @@ fn reply_logprobs(
             let real = f + j < row.len();
             // Padding reads position 0 of its row.
             predictors.push(if real { predictor(b, j) } else { b * seq } as i64);
-            targets.push(if real { i64::from(row[f + j]) } else { 0 });
+            targets.push(if real { row[f + j] } else { 0 });
             present.push(if real { 1.0f32 } else { 0.0 });
         }
     }
@@ -476,7 +476,7 @@ fn reply_logprobs(
     let flat = hidden.reshape([batch * seq, size]);
     let count = batch * width;
     let index = |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [count]), &device);
-    let (predictors, targets) = (index(predictors), index(targets));
+    let predictors = index(predictors);
     let vocab = lm.config.vocab_size;
     let chunk = (LOGIT_CHUNK_ELEMENTS / vocab.max(1)).clamp(1, count.max(1));
     let mut parts = Vec::with_capacity(count.div_ceil(chunk));
@@ -484,12 +484,7 @@ fn reply_logprobs(
     while start < count {
         let n = chunk.min(count - start);
         let at = flat.clone().select(0, predictors.clone().narrow(0, start, n));
-        let logits = lm.lm_head.forward_2d(at);
-        // log p(target) = logit[target] - logsumexp(logits): no full-size log-softmax tensor.
-        let max = logits.clone().detach().max_dim(1);
-        let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
-        let target = logits.gather(1, targets.clone().narrow(0, start, n).reshape([n, 1]));
-        parts.push(target - lse);
+        parts.push(token_logprobs(lm.lm_head.forward_2d(at), &targets[start..start + n]));
         start += n;
     }
     let logprobs = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 0) };

@@ -3,6 +3,7 @@
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
+use super::fused::dense_linear;
 use super::gguf::BlockMatrix;
 use super::quant::{self, BaseFormat, QuantizedWeight};
 use super::weights::WeightSource;
@@ -282,7 +283,7 @@ impl FrozenLinear {
     /// `x`: `[rows, in]` -> `[rows, out]`
     pub fn forward_2d(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.weight {
-            LinearWeight::Dense(weight_t) => x.matmul(weight_t.clone()),
+            LinearWeight::Dense(weight_t) => dense_linear(x, weight_t),
             LinearWeight::Quantized(weight) => quant::quantized_linear(x, weight),
         };
         match &self.bias {

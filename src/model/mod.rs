@@ -5,6 +5,7 @@
 pub mod builtin;
 pub mod config;
 pub mod fingerprint;
+pub mod fused;
 pub mod gguf;
 pub mod inspect;
 pub mod layers;

@@ -5,12 +5,12 @@
 //! that differs per call (token positions, the attention mask, the KV cache, which adapter each
 //! row uses) is passed in, so one model serves many sequences and many agents at once.
 
-use burn::tensor::activation::silu;
 use burn::tensor::module::attention;
 use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 use super::config::{ModelConfig, ModelType};
+use super::fused::swiglu;
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
 use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
 use super::weights::WeightSource;
@@ -425,7 +425,7 @@ impl Mlp {
         let parts = [(Projection::Gate, width), (Projection::Up, width)];
         let mut gate_up = split_project(self.gate_up_proj.forward(x.clone()), &x, &parts, layer, delta).into_iter();
         let (gate, up) = (gate_up.next().expect("gate"), gate_up.next().expect("up"));
-        project(&self.down_proj, silu(gate) * up, layer, Projection::Down, delta)
+        project(&self.down_proj, swiglu(gate, up), layer, Projection::Down, delta)
     }
 }
 

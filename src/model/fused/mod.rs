@@ -1,0 +1,86 @@
+//! Fused CPU kernels for the element-wise chains around the GEMMs, as burn backend extensions
+//! with hand-written backwards: one parallel pass where burn's own ops make several
+//! single-threaded ones (and its autodiff saves or recomputes every intermediate).
+//!
+//! - [`dense_linear`]: a frozen projection `x W^T`, burn's own GEMM call written straight into
+//!   its output (burn's matmul zeroes its output and copies it once more).
+//! - [`swiglu`]: the MLP's `silu(gate) * up`, bit for bit the values and gradients of burn's
+//!   `silu(gate) * up`, so a model computes exactly what it did with the composite.
+//! - [`token_logprobs`]: `log softmax(logits)[target]` per row, the scorer's inner step, with a
+//!   vectorized `exp` ([`vexp`]): no vocabulary-wide temporaries beside the logits themselves.
+//!
+//! Each falls back to burn's composite ops on other backends (CUDA).
+
+use burn::backend::flex::FlexTensor;
+use burn::tensor::{Device, Tensor};
+
+pub mod linear;
+pub mod swiglu;
+pub mod token_logprob;
+pub mod vexp;
+
+pub use linear::dense_linear;
+pub use swiglu::swiglu;
+pub use token_logprob::token_logprobs;
+
+/// Rows handed to one rayon task: enough work to pay for the hand-off.
+const MIN_PARALLEL_ELEMENTS: usize = 1 << 14;
+
+/// Whether `tensor` lives on the CPU (`flex`) backend, with or without autodiff.
+fn on_flex<const D: usize>(tensor: &Tensor<D>) -> bool {
+    tensor.device() == Device::flex()
+}
+
+/// A flex tensor seen as rows of contiguous values: `rows` rows of `width`, row `r` starting at
+/// `offset + r * stride` in the storage (a narrowed or sliced last dimension keeps this form).
+struct Rows<'a> {
+    values: &'a [f32],
+    offset: usize,
+    stride: usize,
+    rows: usize,
+    width: usize,
+}
+
+impl<'a> Rows<'a> {
+    /// The view, or `None` when the layout is not rows of contiguous values.
+    fn of(tensor: &'a FlexTensor) -> Option<Self> {
+        let layout = tensor.layout();
+        let (shape, strides) = (layout.shape(), layout.strides());
+        if !layout.has_positive_strides() {
+            return None;
+        }
+        let dims = shape.num_dims();
+        let width = *shape.as_slice().last()?;
+        if strides[dims - 1] != 1 && width > 1 {
+            return None;
+        }
+        let stride = if dims >= 2 { usize::try_from(strides[dims - 2]).ok()? } else { width };
+        // Leading dimensions must collapse into one row index.
+        for d in 0..dims.saturating_sub(2) {
+            if usize::try_from(strides[d]).ok()? != strides[d + 1] as usize * shape[d + 1] {
+                return None;
+            }
+        }
+        let rows = shape.as_slice()[..dims - 1].iter().product();
+        Some(Self { values: tensor.storage::<f32>(), offset: layout.start_offset(), stride, rows, width })
+    }
+
+    /// Row `r`.
+    fn row(&self, r: usize) -> &'a [f32] {
+        let start = self.offset + r * self.stride;
+        &self.values[start..start + self.width]
+    }
+}
+
+/// `tensor` as rows of contiguous values, copying it first when its layout is not of that form.
+fn with_rows<R>(tensor: &FlexTensor, f: impl FnOnce(&Rows<'_>) -> R) -> R {
+    match Rows::of(tensor) {
+        Some(rows) => f(&rows),
+        None => f(&Rows::of(&tensor.to_contiguous()).expect("a contiguous tensor is rows")),
+    }
+}
+
+/// Rows per rayon task for rows of `width` values.
+fn rows_per_task(width: usize) -> usize {
+    MIN_PARALLEL_ELEMENTS.div_ceil(width.max(1)).max(1)
+}

@@ -1,0 +1,132 @@
+//! `log softmax(logits)[target]` for each row, the scorer's inner step, as one parallel pass
+//! forward and one backward.
+//!
+//! Forward, per row: the maximum, `lse = max + ln sum e^(x - max)` and `x[target] - lse`. The
+//! logits stay saved with the row's `lse`; the backward writes
+//! `d x[v] = g (1[v = target] - e^(x[v] - lse))` in one pass. burn's composite (subtract,
+//! exponentiate, sum, log, gather, each with its backward, the exponential computed again for
+//! it) makes about ten single-threaded passes over a `rows x vocabulary` tensor.
+
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{backend_extension, Autodiff, Dispatch, Flex};
+use burn::tensor::{Int, Tensor, TensorData};
+use rayon::prelude::*;
+
+use super::vexp::{exp_shifted_sum, scaled_exp};
+use super::{on_flex, rows_per_task, with_rows, Rows};
+
+/// The target token of each row.
+pub type Targets = Arc<[u32]>;
+
+/// The fused token log-probability, as a burn backend extension.
+#[backend_extension(Autodiff, Flex)]
+pub trait TokenLogprobBackend: burn::backend::Backend {
+    /// `log softmax(logits[r])[targets[r]]` for each row `r`.
+    ///
+    /// # Shapes
+    /// `logits`: `[rows, vocab]` -> `[rows]`
+    fn token_logprobs(logits: FloatTensor<Self>, targets: Targets) -> FloatTensor<Self>;
+}
+
+/// Each row's log-sum-exp and its target's log-probability.
+fn forward(logits: &Rows<'_>, targets: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    (0..logits.rows)
+        .into_par_iter()
+        .with_min_len(rows_per_task(logits.width))
+        .map(|r| {
+            let row = logits.row(r);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + exp_shifted_sum(row, max, None).ln();
+            (lse, row[targets[r] as usize] - lse)
+        })
+        .unzip()
+}
+
+fn check(logits: &FlexTensor, targets: &[u32]) -> [usize; 2] {
+    let [rows, vocab] = logits.layout().shape().dims::<2>();
+    assert_eq!(rows, targets.len(), "token_logprobs: one target per row");
+    assert!(targets.iter().all(|&t| (t as usize) < vocab), "token_logprobs: a target past the vocabulary");
+    [rows, vocab]
+}
+
+impl TokenLogprobBackend for Flex {
+    fn token_logprobs(logits: FlexTensor, targets: Targets) -> FlexTensor {
+        let [rows, _] = check(&logits, &targets);
+        let (_, logprobs) = with_rows(&logits, |l: &Rows<'_>| forward(l, &targets));
+        FlexTensor::from_data(TensorData::new(logprobs, [rows]))
+    }
+}
+
+/// The backward of [`TokenLogprobBackend::token_logprobs`]: the logits' gradient.
+#[derive(Debug)]
+struct TokenLogprobBackward;
+
+/// What the backward needs: the logits, each row's log-sum-exp, the targets.
+#[derive(Clone, Debug)]
+struct Saved {
+    logits: FlexTensor,
+    lse: Arc<[f32]>,
+    targets: Targets,
+}
+
+impl Backward<Flex, 1> for TokenLogprobBackward {
+    type State = Saved;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_logits] = ops.parents;
+        let grad = grads.consume::<Flex>(&ops.node);
+        let Some(node) = node_logits else { return };
+        let Saved { logits, lse, targets } = ops.state;
+        let grad: Vec<f32> = with_rows(&grad, |g: &Rows<'_>| (0..g.rows).flat_map(|r| g.row(r)).copied().collect());
+        let [rows, vocab] = logits.layout().shape().dims::<2>();
+        let mut d_logits = vec![0.0f32; rows * vocab];
+        with_rows(&logits, |l: &Rows<'_>| {
+            d_logits.par_chunks_mut(vocab).with_min_len(rows_per_task(vocab)).enumerate().for_each(|(r, out)| {
+                scaled_exp(l.row(r), lse[r], -grad[r], out);
+                out[targets[r] as usize] += grad[r];
+            });
+        });
+        grads.register::<Flex>(node.id, FlexTensor::from_data(TensorData::new(d_logits, [rows, vocab])));
+    }
+}
+
+impl<C: CheckpointStrategy> TokenLogprobBackend for Autodiff<Flex, C> {
+    fn token_logprobs(logits: FloatTensor<Self>, targets: Targets) -> FloatTensor<Self> {
+        match TokenLogprobBackward.prepare::<C>([logits.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let saved = logits.primitive().clone();
+                let [rows, _] = check(&saved, &targets);
+                let (lse, logprobs) = with_rows(&saved, |l: &Rows<'_>| forward(l, &targets));
+                let out = FlexTensor::from_data(TensorData::new(logprobs, [rows]));
+                prep.finish(Saved { logits: saved, lse: lse.into(), targets }, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::token_logprobs(logits.into_primitive(), targets)),
+        }
+    }
+}
+
+/// `log softmax(logits[r])[targets[r]]` for each row: fused on the CPU, burn's ops elsewhere.
+/// Differentiable in `logits`.
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]`, `targets`: one id below `vocab` per row -> `[rows]`
+pub fn token_logprobs(logits: Tensor<2>, targets: &[u32]) -> Tensor<1> {
+    if !on_flex(&logits) {
+        let [rows, _] = logits.dims();
+        let device = logits.device();
+        let ids: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &device).reshape([rows, 1]);
+        let max = logits.clone().detach().max_dim(1);
+        let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+        return (logits.gather(1, ids) - lse).reshape([rows]);
+    }
+    let targets: Targets = targets.into();
+    Tensor::from_dispatch(<Dispatch as TokenLogprobBackend>::token_logprobs(logits.into_dispatch(), targets))
+}

@@ -1,0 +1,102 @@
+//! The fused CPU kernels (`troupe::model::fused`) against the burn compositions they replace:
+//! the frozen projection and the SwiGLU gate equal burn's bit for bit, values and gradients
+//! (so a model computes exactly what it did); the token log-probability matches burn's
+//! log-softmax within float rounding.
+
+use burn::tensor::activation::{log_softmax, silu};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use troupe::model::fused::{dense_linear, swiglu, token_logprobs};
+
+fn random(rng: &mut ChaCha8Rng, dims: [usize; 2], scale: f32, device: &Device) -> Tensor<2> {
+    let values: Vec<f32> = (0..dims[0] * dims[1]).map(|_| rng.random_range(-scale..scale)).collect();
+    Tensor::from_data(TensorData::new(values, dims), device)
+}
+
+fn values(t: Tensor<2>) -> Vec<f32> {
+    t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32")
+}
+
+#[test]
+fn dense_linear_equals_burn_matmul_bit_for_bit() {
+    let device = Device::flex();
+    let grad_device = device.clone().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(0);
+    // Small (one thread) and large (parallel) products; x also as a non-contiguous view.
+    for (m, k, n) in [(3, 8, 5), (300, 256, 384)] {
+        let weight_t = random(&mut rng, [k, n], 0.5, &device);
+        let x = random(&mut rng, [m, k], 1.0, &device);
+        assert_eq!(values(dense_linear(x.clone(), &weight_t)), values(x.clone().matmul(weight_t.clone())));
+        let wide = random(&mut rng, [k, m], 1.0, &device).transpose();
+        assert_eq!(values(dense_linear(wide.clone(), &weight_t)), values(wide.matmul(weight_t.clone())));
+
+        let dy = random(&mut rng, [m, n], 1.0, &grad_device);
+        let input = |x: &Tensor<2>| Tensor::<2>::from_data(x.to_data(), &grad_device).require_grad();
+        let (ours, theirs) = (input(&x), input(&x));
+        let grads = (dense_linear(ours.clone(), &weight_t) * dy.clone()).sum().backward();
+        let got = ours.grad(&grads).expect("x gets a gradient");
+        let grads = (theirs.clone().matmul(weight_t.clone()) * dy).sum().backward();
+        let want = theirs.grad(&grads).expect("x gets a gradient");
+        assert_eq!(values(got), values(want), "dx, {m}x{k}x{n}");
+    }
+}
+
+#[test]
+fn swiglu_equals_silu_times_up_bit_for_bit() {
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let (rows, width) = (37, 96);
+    // The gate as the models make it: a narrowed half of one stacked product.
+    let stacked = random(&mut rng, [rows, 2 * width], 6.0, &device);
+    let out_grad = random(&mut rng, [rows, width], 1.0, &device);
+    let run = |fused: bool| {
+        let stacked = Tensor::<2>::from_data(stacked.to_data(), &device).require_grad();
+        let (gate, up) = (stacked.clone().narrow(1, 0, width), stacked.clone().narrow(1, width, width));
+        let out = if fused { swiglu(gate, up) } else { silu(gate) * up };
+        let grads = (out.clone() * out_grad.clone()).sum().backward();
+        (values(out), values(stacked.grad(&grads).expect("a gradient")))
+    };
+    let (fused, composite) = (run(true), run(false));
+    assert_eq!(fused.0, composite.0, "values");
+    assert_eq!(fused.1, composite.1, "gradients of gate and up");
+    // Without autodiff too.
+    let (gate, up) = (random(&mut rng, [5, 7], 3.0, &Device::flex()), random(&mut rng, [5, 7], 3.0, &Device::flex()));
+    assert_eq!(values(swiglu(gate.clone(), up.clone())), values(silu(gate) * up));
+}
+
+#[test]
+fn token_logprobs_match_log_softmax() {
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let (rows, vocab) = (19, 5003);
+    let logits = random(&mut rng, [rows, vocab], 12.0, &device);
+    let targets: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
+    let weights = Tensor::<1>::from_data(
+        TensorData::new((0..rows).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>(), [rows]),
+        &device,
+    );
+    let ours = Tensor::<2>::from_data(logits.to_data(), &device).require_grad();
+    let got = token_logprobs(ours.clone(), &targets);
+    let grads = (got.clone() * weights.clone()).sum().backward();
+    let got_grad = values(ours.grad(&grads).expect("a gradient"));
+
+    let theirs = Tensor::<2>::from_data(logits.to_data(), &device).require_grad();
+    let ids: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
+    let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &device).reshape([rows, 1]);
+    let want = log_softmax(theirs.clone(), 1).gather(1, ids).reshape([rows]);
+    let grads = (want.clone() * weights).sum().backward();
+    let want_grad = values(theirs.grad(&grads).expect("a gradient"));
+
+    let (got, want) = (values(got.reshape([1, rows])), values(want.reshape([1, rows])));
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "log-prob {g} vs {w}");
+    }
+    for (g, w) in got_grad.iter().zip(&want_grad) {
+        assert!((g - w).abs() <= 1e-6, "gradient {g} vs {w}");
+    }
+    // A row whose logits are all equal: log(1 / vocab).
+    let flat = Tensor::<2>::zeros([1, vocab], &Device::flex());
+    let uniform = values(token_logprobs(flat, &[7]).reshape([1, 1]))[0];
+    assert!((uniform + (vocab as f32).ln()).abs() < 1e-5, "{uniform}");
+}
