@@ -5,6 +5,8 @@ use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
+use crate::model::fused::vexp;
+
 /// How to pick the next token.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -47,20 +49,85 @@ pub fn argmax(values: &[f32]) -> usize {
 }
 
 /// Samples a token id from one row of logits.
+///
+/// The candidates are those of [`filtered_probs`] (the same set), found without sorting the
+/// vocabulary: a selection by probability mass ([`nucleus`]) takes linear time where a sort of
+/// 32000 keys per row and token took an eighth of a decoding step. The draw walks the
+/// candidates in the order the selection leaves them, so a seed gives other tokens than a
+/// walk in sorted order would, from the same distribution.
 pub fn sample(logits: &[f32], config: &SamplingConfig, rng: &mut ChaCha8Rng) -> u32 {
     if config.is_greedy() {
         return argmax(logits) as u32;
     }
-    let probs = filtered_probs(logits, config);
-    let total: f32 = probs.iter().map(|(_, p)| p).sum();
+    let mut keys = probability_keys(logits, config);
+    let mut kept = keys.as_mut_slice();
+    if config.top_k > 0 && config.top_k < kept.len() {
+        kept.select_nth_unstable(config.top_k - 1);
+        kept = &mut kept[..config.top_k];
+    }
+    if config.top_p < 1.0 {
+        let total: f64 = kept.iter().map(|&k| f64::from(key_probability(k))).sum();
+        let keep = nucleus(kept, f64::from(config.top_p) * total);
+        kept = &mut kept[..keep];
+    }
+    let total: f32 = kept.iter().map(|&k| key_probability(k)).sum();
     let mut target = rng.random::<f32>() * total;
-    for (id, p) in &probs {
-        if target < *p {
-            return *id as u32;
+    for &key in kept.iter() {
+        let p = key_probability(key);
+        if target < p {
+            return key_token(key);
         }
         target -= p;
     }
-    probs.last().map_or(0, |(id, _)| *id as u32)
+    kept.last().map_or(0, |&k| key_token(k))
+}
+
+/// One key per token that orders by decreasing probability, then increasing id: a total
+/// order (a probability is a non-negative float, whose bits order as integers do; inverted,
+/// they sort in decreasing order), with the token id in the low half.
+fn probability_keys(logits: &[f32], config: &SamplingConfig) -> Vec<u64> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let mut probs: Vec<f32> = logits.iter().map(|l| (l - max) / config.temperature).collect();
+    vexp::exp_in_place(&mut probs);
+    probs.iter().enumerate().map(|(i, p)| (u64::from(!p.to_bits()) << 32) | i as u64).collect()
+}
+
+/// The unnormalised probability a key holds.
+fn key_probability(key: u64) -> f32 {
+    f32::from_bits(!((key >> 32) as u32))
+}
+
+/// The token id a key holds.
+fn key_token(key: u64) -> u32 {
+    (key & 0xffff_ffff) as u32
+}
+
+/// Reorders `keys` so that its first `n` entries are the `n` smallest keys (the most probable
+/// tokens) for the least `n` whose probabilities reach `mass`, and returns `n` (at least 1,
+/// at most all). Quickselect on the mass: each round splits the undecided range at its middle
+/// key and keeps the half that holds the boundary, so the work is linear in expectation.
+pub fn nucleus(keys: &mut [u64], mass: f64) -> usize {
+    let (mut lo, mut hi) = (0, keys.len());
+    let mut before = 0.0f64;
+    while hi - lo > 32 {
+        let mid = lo + (hi - lo) / 2;
+        keys[lo..hi].select_nth_unstable(mid - lo);
+        let upper: f64 = keys[lo..=mid].iter().map(|&k| f64::from(key_probability(k))).sum();
+        if before + upper >= mass {
+            hi = mid + 1;
+        } else {
+            before += upper;
+            lo = mid + 1;
+        }
+    }
+    keys[lo..hi].sort_unstable();
+    for (i, &key) in keys[lo..hi].iter().enumerate() {
+        before += f64::from(key_probability(key));
+        if before >= mass {
+            return lo + i + 1;
+        }
+    }
+    hi.max(1).min(keys.len())
 }
 
 /// The (id, unnormalised probability) pairs that survive temperature, top-k and top-p, sorted
@@ -139,6 +206,66 @@ mod tests {
             logits.iter().enumerate().map(|(i, l)| (i, ((l - max) / config.temperature).exp())).collect();
         expected.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         assert_eq!(filtered_probs(&logits, &config), expected);
+    }
+
+    #[test]
+    fn the_selection_keeps_the_sorted_nucleus() {
+        let mut rng = ChaCha8Rng::seed_from_u64(4);
+        for (vocab, top_p, top_k) in [(5000, 0.95, 0), (5000, 0.3, 0), (3000, 0.9, 40), (100, 0.0, 0), (7, 0.999, 0)] {
+            // Ties included: logits drawn from a few values.
+            let logits: Vec<f32> = (0..vocab).map(|_| f32::from(rng.random_range(0u8..60)) * 0.2 - 6.0).collect();
+            let config = SamplingConfig { temperature: 0.8, top_k, top_p };
+            // The definition, in f64: the most probable tokens (ties by id) in sorted order until
+            // their share reaches top_p. (`filtered_probs` sums in f32 and may keep one more tied
+            // token where the share lands on top_p within rounding.)
+            let sorted = filtered_probs(&logits, &SamplingConfig { top_p: 1.0, ..config.clone() });
+            let total: f64 = sorted.iter().map(|&(_, p)| f64::from(p)).sum();
+            let mut cumulative = 0.0;
+            let keep = sorted
+                .iter()
+                .position(|&(_, p)| {
+                    cumulative += f64::from(p);
+                    cumulative >= f64::from(top_p) * total
+                })
+                .map_or(sorted.len(), |i| i + 1);
+            let mut want: Vec<usize> = sorted[..keep].iter().map(|&(id, _)| id).collect();
+            let close: Vec<usize> = filtered_probs(&logits, &config).into_iter().map(|(id, _)| id).collect();
+            assert!(
+                close.len().abs_diff(want.len()) <= 1
+                    && close[..keep.min(close.len())] == want[..keep.min(close.len())]
+            );
+            let mut keys = probability_keys(&logits, &config);
+            let mut kept = keys.as_mut_slice();
+            if top_k > 0 {
+                kept.select_nth_unstable(top_k - 1);
+                kept = &mut kept[..top_k];
+            }
+            let total: f64 = kept.iter().map(|&k| f64::from(key_probability(k))).sum();
+            let n = nucleus(kept, f64::from(top_p) * total);
+            let mut got: Vec<usize> = kept[..n].iter().map(|&k| key_token(k) as usize).collect();
+            got.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(got, want, "vocab {vocab}, top_p {top_p}, top_k {top_k}");
+        }
+    }
+
+    #[test]
+    fn top_p_draws_follow_the_renormalised_nucleus() {
+        // softmax([2,1,0,-1]) = [0.644, 0.237, 0.087, 0.032]: p = 0.9 keeps three tokens.
+        let logits = [2.0, 1.0, 0.0, -1.0];
+        let config = SamplingConfig { temperature: 1.0, top_k: 0, top_p: 0.9 };
+        let mut rng = ChaCha8Rng::seed_from_u64(9);
+        let mut counts = [0usize; 4];
+        for _ in 0..20000 {
+            counts[sample(&logits, &config, &mut rng) as usize] += 1;
+        }
+        assert_eq!(counts[3], 0);
+        let kept = [0.644f64, 0.237, 0.087];
+        let sum: f64 = kept.iter().sum();
+        for (count, p) in counts.iter().zip(kept) {
+            let freq = *count as f64 / 20000.0;
+            assert!((freq - p / sum).abs() < 0.015, "{freq} vs {}", p / sum);
+        }
     }
 
     #[test]

@@ -113,6 +113,29 @@ fn scaled_exp_impl(x: &[f32], shift: f32, scale: f32, out: &mut [f32]) {
     }
 }
 
+/// `values[i] = e^values[i]`.
+pub fn exp_in_place(values: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, the only feature the function enables.
+        return unsafe { exp_in_place_avx2(values) };
+    }
+    exp_in_place_impl(values)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn exp_in_place_avx2(values: &mut [f32]) {
+    exp_in_place_impl(values)
+}
+
+#[inline(always)]
+fn exp_in_place_impl(values: &mut [f32]) {
+    for v in values.iter_mut() {
+        *v = exp(*v);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -147,6 +170,9 @@ mod tests {
         assert_eq!(sum, exp_shifted_sum(&x, 3.0, None));
         let exact: f64 = x.iter().map(|&v| ((v - 3.0) as f64).exp()).sum();
         assert!((sum as f64 - exact).abs() / exact < 1e-5);
+        let mut in_place: Vec<f32> = x.iter().map(|v| v - 3.0).collect();
+        exp_in_place(&mut in_place);
+        assert_eq!(in_place, out);
         let mut scaled = vec![0.0; x.len()];
         scaled_exp(&x, 3.0, -0.5, &mut scaled);
         for (s, o) in scaled.iter().zip(&out) {
