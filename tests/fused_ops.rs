@@ -7,7 +7,7 @@ use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use troupe::model::fused::{dense_linear, swiglu, token_logprobs};
+use troupe::model::fused::{dense_linear, rope, swiglu, token_logprobs};
 
 fn random(rng: &mut ChaCha8Rng, dims: [usize; 2], scale: f32, device: &Device) -> Tensor<2> {
     let values: Vec<f32> = (0..dims[0] * dims[1]).map(|_| rng.random_range(-scale..scale)).collect();
@@ -129,4 +129,37 @@ fn token_logprobs_match_log_softmax() {
     let flat = Tensor::<2>::zeros([1, vocab], &Device::flex());
     let uniform = values(token_logprobs(flat, &[7]).reshape([1, 1]))[0];
     assert!((uniform + (vocab as f32).ln()).abs() < 1e-5, "{uniform}");
+}
+
+#[test]
+fn rope_equals_the_rotate_half_composite_bit_for_bit() {
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let (batch, heads, seq, dim) = (2, 3, 5, 8);
+    let four = |rng: &mut ChaCha8Rng, dims: [usize; 4], scale: f32| {
+        let values: Vec<f32> = (0..dims.iter().product()).map(|_| rng.random_range(-scale..scale)).collect();
+        Tensor::<4>::from_data(TensorData::new(values, dims), &device)
+    };
+    let (cos, sin) = (four(&mut rng, [batch, 1, seq, dim], 1.0), four(&mut rng, [batch, 1, seq, dim], 1.0));
+    // The queries as the attention makes them: [batch, seq, heads, dim] with heads and seq swapped.
+    let x = four(&mut rng, [batch, seq, heads, dim], 2.0);
+    let out_grad = four(&mut rng, [batch, heads, seq, dim], 1.0);
+    let run = |fused: bool| {
+        let x = Tensor::<4>::from_data(x.to_data(), &device).require_grad();
+        let swapped = x.clone().swap_dims(1, 2);
+        let out = if fused {
+            rope(swapped, &cos, &sin)
+        } else {
+            let half = dim / 2;
+            let rotated =
+                Tensor::cat(vec![swapped.clone().narrow(3, half, half).neg(), swapped.clone().narrow(3, 0, half)], 3);
+            swapped * cos.clone() + rotated * sin.clone()
+        };
+        let grads = (out.clone() * out_grad.clone()).sum().backward();
+        let flat = |t: Tensor<4>| t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        (flat(out), flat(x.grad(&grads).expect("a gradient")))
+    };
+    let (fused, composite) = (run(true), run(false));
+    assert_eq!(fused.0, composite.0, "values");
+    assert_eq!(fused.1, composite.1, "gradients");
 }

@@ -381,10 +381,6 @@ impl RotaryEmbedding {
     /// # Shapes
     /// `x`: `[batch, heads, seq, head_dim]`, `cos`/`sin`: `[batch, 1, seq, head_dim]` -> like `x`
     pub fn apply(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
-        let half = x.dims()[3] / 2;
-        let first = x.clone().narrow(3, 0, half);
-        let second = x.clone().narrow(3, half, half);
-        let rotated = Tensor::cat(vec![second.neg(), first], 3);
-        x * cos.clone() + rotated * sin.clone()
+        super::fused::rope(x, cos, sin)
     }
 }

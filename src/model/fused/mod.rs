@@ -4,6 +4,7 @@
 //!
 //! - [`dense_linear`]: a frozen projection `x W^T`, burn's own GEMM call written straight into
 //!   its output (burn's matmul zeroes its output and copies it once more).
+//! - [`rope`]: the rotary embedding, bit for bit burn's composite.
 //! - [`swiglu`]: the MLP's `silu(gate) * up`, bit for bit the values and gradients of burn's
 //!   `silu(gate) * up`, so a model computes exactly what it did with the composite.
 //! - [`token_logprobs`]: `log softmax(logits)[target]` per row, the scorer's inner step, with a
@@ -15,11 +16,13 @@ use burn::backend::flex::FlexTensor;
 use burn::tensor::{Device, Tensor};
 
 pub mod linear;
+pub mod rope;
 pub mod swiglu;
 pub mod token_logprob;
 pub mod vexp;
 
 pub use linear::dense_linear;
+pub use rope::rope;
 pub use swiglu::swiglu;
 pub use token_logprob::token_logprobs;
 
