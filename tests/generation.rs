@@ -183,3 +183,33 @@ fn generation_past_the_reserved_cache_room_matches_full_recompute() {
     common::assert_same_generations(&cached, &full, "grown cache vs full");
     assert!(cached.iter().all(|g| g.output_ids.len() == 140));
 }
+
+#[test]
+fn filling_a_cache_writes_what_a_forward_writes() {
+    use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
+    let device = Device::flex();
+    let model = Model::builtin(Preset::Tiny, 3, &device).unwrap();
+    let prompt = prompts(&model).remove(1);
+    let layers = model.lm.config.num_hidden_layers;
+    let (mut forward, mut filled) = (KvCache::new(layers), KvCache::new(layers));
+    let (mut seq_forward, mut seq_filled) = (SequenceLayout::new(1), SequenceLayout::new(1));
+    let tokens = || model.lm.token_tensor(std::slice::from_ref(&prompt)).unwrap();
+    let valid = vec![vec![true; prompt.len()]];
+    let layout = seq_forward.step(&valid, &device);
+    model.lm.hidden_states(tokens(), ForwardArgs { layout: &layout, cache: Some(&mut forward), delta: None }).unwrap();
+    let layout = seq_filled.step(&valid, &device);
+    model.lm.fill_cache(tokens(), ForwardArgs { layout: &layout, cache: Some(&mut filled), delta: None }).unwrap();
+    assert_eq!(forward.len(), filled.len());
+    // The next token's hidden state from either cache: equal bit for bit.
+    let next = model.lm.token_tensor(&[vec![prompt[0]]]).unwrap();
+    let mut step = |cache: &mut KvCache, seq: &mut SequenceLayout| {
+        let layout = seq.step(&[vec![true]], &device);
+        let hidden =
+            model.lm.hidden_states(next.clone(), ForwardArgs { layout: &layout, cache: Some(cache), delta: None });
+        hidden.unwrap().into_data().convert::<f32>().try_into_vec::<f32>().unwrap()
+    };
+    assert_eq!(step(&mut forward, &mut seq_forward), step(&mut filled, &mut seq_filled));
+    // A cache is required.
+    let layout = SequenceLayout::new(1).step(&valid, &device);
+    assert!(model.lm.fill_cache(tokens(), ForwardArgs { layout: &layout, cache: None, delta: None }).is_err());
+}

@@ -426,7 +426,7 @@ fn shared_completion_logprobs(
     let (prefix_tokens, prefix_valid) = right_pad(&prefixes, 0);
     let mut cache = KvCache::new(lm.config.num_hidden_layers);
     let prefix_layout = SequenceLayout::new(share.unique.len()).step(&prefix_valid, &device);
-    lm.hidden_states(
+    lm.fill_cache(
         lm.token_tensor(&prefix_tokens)?,
         ForwardArgs { layout: &prefix_layout, cache: Some(&mut cache), delta: share.unique_delta() },
     )?;

@@ -347,15 +347,19 @@ impl Attention {
         })
     }
 
+    /// The queries (normed and rotated) and, when `with_queries` is false, nothing for them.
+    ///
     /// # Shapes
-    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`
-    fn forward(
+    /// `x`: `[batch, seq, hidden]` -> `[batch, heads, seq, head_dim]` (queries, if asked),
+    /// `[batch, kv_heads, seq, head_dim]` (keys, values)
+    fn queries_keys_values(
         &self,
         x: Tensor<3>,
         layer: usize,
         rope: (&Tensor<4>, &Tensor<4>),
-        args: &mut ForwardArgs<'_>,
-    ) -> Tensor<3> {
+        delta: Option<&dyn ProjectionDelta>,
+        with_queries: bool,
+    ) -> (Option<Tensor<4>>, Tensor<4>, Tensor<4>) {
         let [batch, seq, _] = x.dims();
         let heads = |t: Tensor<3>, n: usize, norm: &Option<RmsNorm>| {
             let t = t.reshape([batch, seq, n, self.head_dim]);
@@ -367,13 +371,37 @@ impl Attention {
         };
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Projection::Q, q_width), (Projection::K, kv_width), (Projection::V, kv_width)];
-        let mut qkv = split_project(self.qkv_proj.forward(x.clone()), &x, &parts, layer, args.delta).into_iter();
+        let mut qkv = split_project(self.qkv_proj.forward(x.clone()), &x, &parts, layer, delta).into_iter();
         let (q, k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
-        let q = heads(q, self.num_heads, &self.q_norm);
-        let k = heads(k, self.num_kv_heads, &self.k_norm);
-        let v = heads(v, self.num_kv_heads, &None);
-        let q = RotaryEmbedding::apply(q, rope.0, rope.1);
-        let k = RotaryEmbedding::apply(k, rope.0, rope.1);
+        let q = with_queries.then(|| RotaryEmbedding::apply(heads(q, self.num_heads, &self.q_norm), rope.0, rope.1));
+        let k = RotaryEmbedding::apply(heads(k, self.num_kv_heads, &self.k_norm), rope.0, rope.1);
+        (q, k, heads(v, self.num_kv_heads, &None))
+    }
+
+    /// Appends `x`'s keys and values to the cache without attending (nothing reads this
+    /// layer's output).
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, hidden]`
+    fn fill_cache(&self, x: Tensor<3>, layer: usize, rope: (&Tensor<4>, &Tensor<4>), args: &mut ForwardArgs<'_>) {
+        let (_, k, v) = self.queries_keys_values(x, layer, rope, args.delta, false);
+        if let Some(cache) = args.cache.as_deref_mut() {
+            cache.append(layer, k, v);
+        }
+    }
+
+    /// # Shapes
+    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`
+    fn forward(
+        &self,
+        x: Tensor<3>,
+        layer: usize,
+        rope: (&Tensor<4>, &Tensor<4>),
+        args: &mut ForwardArgs<'_>,
+    ) -> Tensor<3> {
+        let [batch, seq, _] = x.dims();
+        let (q, k, v) = self.queries_keys_values(x, layer, rope, args.delta, true);
+        let q = q.expect("queries were asked for");
         let (k, v) = match args.cache.as_deref_mut() {
             Some(cache) => cache.append(layer, k, v),
             None => (k, v),
@@ -559,6 +587,40 @@ impl CausalLm {
     /// # Shapes
     /// `tokens`: `[batch, seq]` -> `[batch, seq, hidden]`
     pub fn hidden_states(&self, tokens: Tensor<2, Int>, mut args: ForwardArgs<'_>) -> Result<Tensor<3>> {
+        let (x, _) = self.run_layers(tokens, &mut args, self.layers.len())?;
+        Ok(self.norm.forward(x))
+    }
+
+    /// Runs `tokens` through the model only to append their keys and values to `args.cache`:
+    /// the last layer computes its keys and values and nothing else (its attention, MLP and the
+    /// final norm feed only the hidden states, which nothing reads here). What
+    /// [`CausalLm::hidden_states`] writes to the cache, for less work; differentiable like it.
+    ///
+    /// # Shapes
+    /// `tokens`: `[batch, seq]`
+    pub fn fill_cache(&self, tokens: Tensor<2, Int>, mut args: ForwardArgs<'_>) -> Result<()> {
+        if args.cache.is_none() {
+            return Err(TroupeError::invalid("cache", "fill_cache needs a KV cache to fill"));
+        }
+        let Some(last) = self.layers.len().checked_sub(1) else { return Ok(()) };
+        let (x, (cos, sin)) = self.run_layers(tokens, &mut args, last)?;
+        let layer = &self.layers[last];
+        layer.self_attn.fill_cache(layer.input_layernorm.forward(x), last, (&cos, &sin), &mut args);
+        Ok(())
+    }
+
+    /// The residual stream after the first `layers` decoder layers (the cache, if any, extended
+    /// for each of them), and the rotary tables of the tokens' positions.
+    ///
+    /// # Shapes
+    /// `tokens`: `[batch, seq]` -> `[batch, seq, hidden]`, two `[batch, 1, seq, head_dim]`
+    #[allow(clippy::type_complexity)]
+    fn run_layers(
+        &self,
+        tokens: Tensor<2, Int>,
+        args: &mut ForwardArgs<'_>,
+        layers: usize,
+    ) -> Result<(Tensor<3>, (Tensor<4>, Tensor<4>))> {
         let past = args.cache.as_ref().map_or(0, |c| c.len());
         let [_, seq] = tokens.dims();
         if past + seq > self.rope.max_positions() {
@@ -573,14 +635,13 @@ impl CausalLm {
         }
         let (cos, sin) = self.rope.tables(&args.layout.positions);
         let mut x = self.embed_tokens.forward(tokens);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let attended =
-                layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), i, (&cos, &sin), &mut args);
+        for (i, layer) in self.layers.iter().enumerate().take(layers) {
+            let attended = layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), i, (&cos, &sin), args);
             x = x + attended;
             let fed = layer.mlp.forward(layer.post_attention_layernorm.forward(x.clone()), i, args.delta);
             x = x + fed;
         }
-        Ok(self.norm.forward(x))
+        Ok((x, (cos, sin)))
     }
 
     /// Logits of the LM head for the given hidden states.
