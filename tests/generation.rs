@@ -202,7 +202,7 @@ fn filling_a_cache_writes_what_a_forward_writes() {
     assert_eq!(forward.len(), filled.len());
     // The next token's hidden state from either cache: equal bit for bit.
     let next = model.lm.token_tensor(&[vec![prompt[0]]]).unwrap();
-    let mut step = |cache: &mut KvCache, seq: &mut SequenceLayout| {
+    let step = |cache: &mut KvCache, seq: &mut SequenceLayout| {
         let layout = seq.step(&[vec![true]], &device);
         let hidden =
             model.lm.hidden_states(next.clone(), ForwardArgs { layout: &layout, cache: Some(cache), delta: None });
