@@ -44,6 +44,7 @@ struct Operand<'a> {
 }
 
 impl<'a> Operand<'a> {
+    /// The operand view of a flex tensor with non-negative strides (see [`positive_strides`]).
     fn of(tensor: &'a FlexTensor) -> Self {
         let layout = tensor.layout();
         let [rows, cols] = layout.shape().dims::<2>();
@@ -108,8 +109,19 @@ fn product(lhs: Operand<'_>, rhs: Operand<'_>) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(out, [m, n]))
 }
 
+/// `tensor`, copied to a contiguous layout if a stride is negative (a flipped view), so that
+/// its values run forward from its start offset.
+fn positive_strides(tensor: FlexTensor) -> FlexTensor {
+    if tensor.layout().has_positive_strides() {
+        tensor
+    } else {
+        tensor.to_contiguous()
+    }
+}
+
 impl DenseLinearBackend for Flex {
     fn dense_linear(x: FlexTensor, weight_t: FlexTensor) -> FlexTensor {
+        let (x, weight_t) = (positive_strides(x), positive_strides(weight_t));
         let (lhs, rhs) = (Operand::of(&x), Operand::of(&weight_t));
         if lhs.rows <= FEW_ROWS && lhs.col_stride == 1 && rhs.col_stride == 1 {
             if let Some(out) = few_rows::product(&lhs, &rhs) {
@@ -253,6 +265,7 @@ impl Backward<Flex, 2> for DenseLinearBackward {
         let [node_x, _] = ops.parents;
         let grad = grads.consume::<Flex>(&ops.node);
         if let Some(node) = node_x {
+            let grad = positive_strides(grad);
             let dx = product(Operand::of(&grad), Operand::of(&ops.state).transposed());
             grads.register::<Flex>(node.id, dx);
         }
@@ -265,7 +278,7 @@ impl<C: CheckpointStrategy> DenseLinearBackend for Autodiff<Flex, C> {
         match DenseLinearBackward.prepare::<C>([x.node(), weight_t.node()]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let out = Flex::dense_linear(x.primitive().clone(), weight.clone());
-                prep.finish(weight, out)
+                prep.finish(positive_strides(weight), out)
             }
             OpsKind::UnTracked(prep) => prep.finish(Flex::dense_linear(x.into_primitive(), weight)),
         }
