@@ -318,6 +318,9 @@ pub fn generate_rows(
 pub struct ScoringBatch {
     /// `[batch, seq]`
     pub tokens: Tensor<2, Int>,
+    /// The same padded tokens on the host, row-major (`batch * seq`): the scorers read their
+    /// targets here instead of reading the tensor back from the device.
+    pub host_tokens: Vec<u32>,
     /// Validity of every slot (`false` for right padding).
     pub valid: Vec<Vec<bool>>,
     /// Real length of each row.
@@ -331,7 +334,12 @@ impl ScoringBatch {
             return Err(TroupeError::invalid("rows", "scoring needs at least two tokens per row"));
         }
         let (padded, valid) = right_pad(rows, 0);
-        Ok(Self { tokens: lm.token_tensor(&padded)?, valid, lengths: rows.iter().map(Vec::len).collect() })
+        Ok(Self {
+            tokens: lm.token_tensor(&padded)?,
+            host_tokens: padded.concat(),
+            valid,
+            lengths: rows.iter().map(Vec::len).collect(),
+        })
     }
 }
 
@@ -354,7 +362,7 @@ pub fn next_token_logprobs(
     let layout = SequenceLayout::new(rows).step(&batch.valid, lm.device());
     let hidden = lm.hidden_states(batch.tokens.clone(), ForwardArgs { layout: &layout, cache: None, delta })?;
     let hidden = hidden.narrow(1, 0, seq - 1);
-    let tokens: Vec<u32> = batch.tokens.clone().into_data().convert::<i64>().iter::<i64>().map(|t| t as u32).collect();
+    let tokens = &batch.host_tokens;
     let per_row = (seq - 1) * lm.config.vocab_size;
     let chunk = (LOGIT_CHUNK_ELEMENTS / per_row.max(1)).clamp(1, rows);
     let mut parts = Vec::with_capacity(rows.div_ceil(chunk));
@@ -392,7 +400,7 @@ pub fn completion_logprobs(
             "one completion start per row, after its first token and before its end",
         ));
     }
-    let tokens: Vec<u32> = batch.tokens.clone().into_data().convert::<i64>().iter::<i64>().map(|t| t as u32).collect();
+    let tokens = &batch.host_tokens;
     let row_tokens: Vec<&[u32]> = (0..rows).map(|b| &tokens[b * seq..b * seq + batch.lengths[b]]).collect();
     // Rows that share everything before their last prompt token (a GRPO group's prompt)
     // compute it once: the forward runs over each distinct prefix, then over every row's
