@@ -14,6 +14,7 @@
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{Device, Tensor};
+use rayon::prelude::*;
 
 pub mod linear;
 pub mod rope;
@@ -86,4 +87,14 @@ fn with_rows<R>(tensor: &FlexTensor, f: impl FnOnce(&Rows<'_>) -> R) -> R {
 /// Rows per rayon task for rows of `width` values.
 fn rows_per_task(width: usize) -> usize {
     MIN_PARALLEL_ELEMENTS.div_ceil(width.max(1)).max(1)
+}
+
+/// Runs `f(row, out_row)` over every row of `out` (`width` wide) in parallel.
+fn par_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
+    let per_task = rows_per_task(width);
+    out.par_chunks_mut(width * per_task).enumerate().for_each(|(task, chunk)| {
+        for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
+            f(task * per_task + i, row);
+        }
+    });
 }

@@ -16,9 +16,8 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Autodiff, Dispatch, Flex};
 use burn::tensor::{Tensor, TensorData};
-use rayon::prelude::*;
 
-use super::{on_flex, rows_per_task};
+use super::{on_flex, par_rows};
 
 /// The fused rotary embedding, as a burn backend extension.
 #[backend_extension(Autodiff, Flex)]
@@ -65,13 +64,7 @@ impl<'a> Rows4<'a> {
 fn map_rows(dims: [usize; 4], f: impl Fn(usize, usize, usize, &mut [f32]) + Sync) -> Vec<f32> {
     let [batch, heads, seq, dim] = dims;
     let mut out = vec![0.0f32; batch * heads * seq * dim];
-    let per_task = rows_per_task(dim);
-    out.par_chunks_mut(dim * per_task).enumerate().for_each(|(task, chunk)| {
-        for (i, row) in chunk.chunks_exact_mut(dim).enumerate() {
-            let r = task * per_task + i;
-            f(r / (heads * seq), (r / seq) % heads, r % seq, row);
-        }
-    });
+    par_rows(&mut out, dim, |r, row| f(r / (heads * seq), (r / seq) % heads, r % seq, row));
     out
 }
 

@@ -18,7 +18,7 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::{on_flex, rows_per_task, with_rows, Rows};
+use super::{on_flex, par_rows, rows_per_task, with_rows, Rows};
 
 /// The fused SwiGLU gate, as a burn backend extension.
 #[backend_extension(Autodiff, Flex)]
@@ -39,16 +39,6 @@ fn sigmoid(x: f32) -> f32 {
         let e = x.exp();
         e / (1.0 + e)
     }
-}
-
-/// Runs `f(row, out_row)` over every row of `out` (`width` wide) in parallel.
-fn par_rows(out: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync) {
-    out.par_chunks_mut(width * rows_per_task(width)).enumerate().for_each(|(task, chunk)| {
-        let first = task * rows_per_task(width);
-        for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
-            f(first + i, row);
-        }
-    });
 }
 
 impl SwiGluBackend for Flex {
