@@ -347,35 +347,39 @@ impl Attention {
         })
     }
 
-    /// The queries (normed and rotated) and, when `with_queries` is false, nothing for them.
+    /// Splits a projection's output into heads, with the per-head norm (Qwen3) if any.
     ///
     /// # Shapes
-    /// `x`: `[batch, seq, hidden]` -> `[batch, heads, seq, head_dim]` (queries, if asked),
+    /// `t`: `[batch, seq, heads * head_dim]` -> `[batch, heads, seq, head_dim]`
+    fn heads(&self, t: Tensor<3>, heads: usize, norm: &Option<RmsNorm>) -> Tensor<4> {
+        let [batch, seq, _] = t.dims();
+        let t = t.reshape([batch, seq, heads, self.head_dim]);
+        let t = match norm {
+            Some(norm) => norm.forward(t),
+            None => t,
+        };
+        t.swap_dims(1, 2)
+    }
+
+    /// The q/k/v projection (one product): the queries as projected, the keys normed and
+    /// rotated, the values.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, heads * head_dim]` (queries),
     /// `[batch, kv_heads, seq, head_dim]` (keys, values)
-    fn queries_keys_values(
+    fn project_qkv(
         &self,
         x: Tensor<3>,
         layer: usize,
         rope: (&Tensor<4>, &Tensor<4>),
         delta: Option<&dyn ProjectionDelta>,
-        with_queries: bool,
-    ) -> (Option<Tensor<4>>, Tensor<4>, Tensor<4>) {
-        let [batch, seq, _] = x.dims();
-        let heads = |t: Tensor<3>, n: usize, norm: &Option<RmsNorm>| {
-            let t = t.reshape([batch, seq, n, self.head_dim]);
-            let t = match norm {
-                Some(norm) => norm.forward(t),
-                None => t,
-            };
-            t.swap_dims(1, 2)
-        };
+    ) -> (Tensor<3>, Tensor<4>, Tensor<4>) {
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Projection::Q, q_width), (Projection::K, kv_width), (Projection::V, kv_width)];
         let mut qkv = split_project(self.qkv_proj.forward(x.clone()), &x, &parts, layer, delta).into_iter();
         let (q, k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
-        let q = with_queries.then(|| RotaryEmbedding::apply(heads(q, self.num_heads, &self.q_norm), rope.0, rope.1));
-        let k = RotaryEmbedding::apply(heads(k, self.num_kv_heads, &self.k_norm), rope.0, rope.1);
-        (q, k, heads(v, self.num_kv_heads, &None))
+        let k = RotaryEmbedding::apply(self.heads(k, self.num_kv_heads, &self.k_norm), rope.0, rope.1);
+        (q, k, self.heads(v, self.num_kv_heads, &None))
     }
 
     /// Appends `x`'s keys and values to the cache without attending (nothing reads this
@@ -384,7 +388,7 @@ impl Attention {
     /// # Shapes
     /// `x`: `[batch, seq, hidden]`
     fn fill_cache(&self, x: Tensor<3>, layer: usize, rope: (&Tensor<4>, &Tensor<4>), args: &mut ForwardArgs<'_>) {
-        let (_, k, v) = self.queries_keys_values(x, layer, rope, args.delta, false);
+        let (_, k, v) = self.project_qkv(x, layer, rope, args.delta);
         if let Some(cache) = args.cache.as_deref_mut() {
             cache.append(layer, k, v);
         }
@@ -400,8 +404,8 @@ impl Attention {
         args: &mut ForwardArgs<'_>,
     ) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
-        let (q, k, v) = self.queries_keys_values(x, layer, rope, args.delta, true);
-        let q = q.expect("queries were asked for");
+        let (q, k, v) = self.project_qkv(x, layer, rope, args.delta);
+        let q = RotaryEmbedding::apply(self.heads(q, self.num_heads, &self.q_norm), rope.0, rope.1);
         let (k, v) = match args.cache.as_deref_mut() {
             Some(cache) => cache.append(layer, k, v),
             None => (k, v),
