@@ -23,20 +23,25 @@ fn dense_linear_equals_burn_matmul_bit_for_bit() {
     let device = Device::flex();
     let grad_device = device.clone().autodiff();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
-    // Small (one thread) and large (parallel) products; x also as a non-contiguous view.
+    // Small (one thread) and large (parallel) products; x also as a non-contiguous view, the
+    // weight `[out, in]` also as a transposed view of `[in, out]` storage.
     for (m, k, n) in [(17, 8, 5), (300, 256, 384)] {
-        let weight_t = random(&mut rng, [k, n], 0.5, &device);
+        let weight = random(&mut rng, [n, k], 0.5, &device);
+        let stored_t = random(&mut rng, [k, n], 0.5, &device).transpose();
         let x = random(&mut rng, [m, k], 1.0, &device);
-        assert_eq!(values(dense_linear(x.clone(), &weight_t)), values(x.clone().matmul(weight_t.clone())));
         let wide = random(&mut rng, [k, m], 1.0, &device).transpose();
-        assert_eq!(values(dense_linear(wide.clone(), &weight_t)), values(wide.matmul(weight_t.clone())));
+        for weight in [&weight, &stored_t] {
+            let burn = |x: &Tensor<2>| values(x.clone().matmul(weight.clone().transpose()));
+            assert_eq!(values(dense_linear(x.clone(), weight)), burn(&x), "{m}x{k}x{n}");
+            assert_eq!(values(dense_linear(wide.clone(), weight)), burn(&wide), "{m}x{k}x{n}, strided x");
+        }
 
         let dy = random(&mut rng, [m, n], 1.0, &grad_device);
         let input = |x: &Tensor<2>| Tensor::<2>::from_data(x.to_data(), &grad_device).require_grad();
         let (ours, theirs) = (input(&x), input(&x));
-        let grads = (dense_linear(ours.clone(), &weight_t) * dy.clone()).sum().backward();
+        let grads = (dense_linear(ours.clone(), &weight) * dy.clone()).sum().backward();
         let got = ours.grad(&grads).expect("x gets a gradient");
-        let grads = (theirs.clone().matmul(weight_t.clone()) * dy).sum().backward();
+        let grads = (theirs.clone().matmul(weight.clone().transpose()) * dy).sum().backward();
         let want = theirs.grad(&grads).expect("x gets a gradient");
         assert_eq!(values(got), values(want), "dx, {m}x{k}x{n}");
     }
@@ -46,25 +51,33 @@ fn dense_linear_equals_burn_matmul_bit_for_bit() {
 fn few_row_products_match_burn_matmul() {
     let device = Device::flex();
     let mut rng = ChaCha8Rng::seed_from_u64(3);
-    // Decoding's products (up to 16 rows): rows not a multiple of the register block, columns
-    // not a multiple of the panel, a sum long enough to be blocked by the GEMM.
-    for (m, k, n) in [(1, 64, 64), (3, 40, 70), (7, 512, 200), (16, 1536, 515)] {
-        let weight_t = random(&mut rng, [k, n], 0.5, &device);
+    // Decoding's products (up to 16 rows): rows and columns not multiples of the register
+    // block, sums not a multiple of the vector width, one long enough to be blocked by the
+    // GEMM; x and the weight also as views whose rows are longer than k.
+    for (m, k, n) in [(1, 64, 64), (3, 40, 70), (5, 13, 7), (7, 512, 200), (16, 1536, 515)] {
+        let weight = random(&mut rng, [n, k], 0.5, &device);
+        let wide_weight = random(&mut rng, [n, k + 5], 0.5, &device).narrow(1, 2, k);
         let x = random(&mut rng, [m, k], 1.0, &device);
         let wide = random(&mut rng, [m, k + 9], 1.0, &device).narrow(1, 3, k);
-        let w = values(weight_t.clone());
-        for x in [x, wide] {
-            let xs = values(x.clone());
-            let (got, burn) = (values(dense_linear(x.clone(), &weight_t)), values(x.matmul(weight_t.clone())));
-            for r in 0..m {
-                for c in 0..n {
-                    // Against the f64 sum, within f32 rounding of the sum of the terms' sizes.
-                    let terms = (0..k).map(|i| f64::from(xs[r * k + i]) * f64::from(w[i * n + c]));
-                    let (exact, size) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
-                    let bound = 1e-6 * size;
-                    for (what, value) in [("few-row kernel", got[r * n + c]), ("burn", burn[r * n + c])] {
-                        let error = (f64::from(value) - exact).abs();
-                        assert!(error <= bound, "{what} {m}x{k}x{n} [{r}, {c}]: {value} vs {exact} (bound {bound})");
+        for weight in [weight, wide_weight] {
+            let w = values(weight.clone());
+            for x in [x.clone(), wide.clone()] {
+                let xs = values(x.clone());
+                let got = values(dense_linear(x.clone(), &weight));
+                let burn = values(x.matmul(weight.clone().transpose()));
+                for r in 0..m {
+                    for c in 0..n {
+                        // Against the f64 sum, within f32 rounding of the sum of the terms' sizes.
+                        let terms = (0..k).map(|i| f64::from(xs[r * k + i]) * f64::from(w[c * k + i]));
+                        let (exact, size) = terms.fold((0.0, 0.0), |(s, a), t| (s + t, a + t.abs()));
+                        let bound = 1e-6 * size;
+                        for (what, value) in [("few-row kernel", got[r * n + c]), ("burn", burn[r * n + c])] {
+                            let error = (f64::from(value) - exact).abs();
+                            assert!(
+                                error <= bound,
+                                "{what} {m}x{k}x{n} [{r}, {c}]: {value} vs {exact} (bound {bound})"
+                            );
+                        }
                     }
                 }
             }

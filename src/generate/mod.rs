@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
 use crate::model::fused::token_logprobs;
+use crate::model::fused::vexp::exp_shifted_sum;
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
 pub use constrained::{NodeId, TokenTrie, TrieStep};
 use prefix::SharedPrefixes;
@@ -116,11 +117,11 @@ fn to_rows(logits: Tensor<2>) -> Vec<Vec<f32>> {
     values.chunks(vocab).map(<[f32]>::to_vec).collect()
 }
 
-/// `log softmax(logits)[token]`, computed in f64 and rounded once.
+/// `log softmax(logits)[token]`, as the update's scorer computes it
+/// ([`crate::model::fused::token_logprobs`]: a vectorized `exp`, summed in lanes).
 fn token_logprob(logits: &[f32], token: u32) -> f32 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let sum: f64 = logits.iter().map(|&v| f64::from(v - max).exp()).sum();
-    (f64::from(logits[token as usize] - max) - sum.ln()) as f32
+    logits[token as usize] - (max + exp_shifted_sum(logits, max, None).ln())
 }
 
 /// Generates a continuation of every prompt in one batch. Rows may have different lengths;

@@ -11,11 +11,10 @@ use super::safetensors_io::TensorStore;
 use super::ModelConfig;
 use crate::error::Result;
 
-/// Bytes the f32 base holds for `config`: every parameter as f32, plus the transposed copy of a
-/// tied embedding that serves as the LM head.
+/// Bytes the f32 base holds for `config`: every parameter as f32 (a tied LM head is the
+/// embedding's own tensor).
 pub fn f32_bytes(config: &ModelConfig) -> u64 {
-    let tied_head = if config.tie_word_embeddings { config.vocab_size * config.hidden_size } else { 0 };
-    4 * (config.num_parameters() + tied_head) as u64
+    4 * config.num_parameters() as u64
 }
 
 /// Bytes a kept-quantized base (`--quantized`) holds for a float checkpoint of `config`: every

@@ -127,8 +127,8 @@ pub trait ProjectionDelta {
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum LinearWeight {
-    /// `W^T` in f32: `[in_features, out_features]` row-major, the layout the CPU GEMM reads
-    /// fastest.
+    /// `W` in f32: `[out_features, in_features]` row-major, as checkpoints store it (the GEMM
+    /// reads it as a transposed view; a decoding step's few-row product reads its rows).
     Dense(Tensor<2>),
     /// `W` (`[out_features, in_features]`) kept in block formats ([`super::quant`]).
     Quantized(QuantizedWeight),
@@ -211,8 +211,7 @@ impl FrozenLinear {
                 for (prefix, &out) in prefixes.iter().zip(out_features) {
                     stacked.extend(loader.source.read(&format!("{prefix}.weight"), &[out, in_features])?.values);
                 }
-                let weight_t = transpose_host(&stacked, total, in_features);
-                LinearWeight::Dense(Tensor::from_data(TensorData::new(weight_t, [in_features, total]), loader.device))
+                LinearWeight::Dense(Tensor::from_data(TensorData::new(stacked, [total, in_features]), loader.device))
             }
             BaseFormat::Quantized => {
                 let parts = prefixes
@@ -229,10 +228,7 @@ impl FrozenLinear {
     /// `[out_features, in_features]`
     pub fn dims(&self) -> [usize; 2] {
         match &self.weight {
-            LinearWeight::Dense(weight_t) => {
-                let [i, o] = weight_t.dims();
-                [o, i]
-            }
+            LinearWeight::Dense(weight) => weight.dims(),
             LinearWeight::Quantized(weight) => weight.dims(),
         }
     }
@@ -240,7 +236,7 @@ impl FrozenLinear {
     /// `W^T` (`[in_features, out_features]`) in f32, dequantized when kept quantized.
     pub fn dense_t(&self) -> Tensor<2> {
         match &self.weight {
-            LinearWeight::Dense(weight_t) => weight_t.clone(),
+            LinearWeight::Dense(weight) => weight.clone().transpose(),
             LinearWeight::Quantized(weight) => {
                 let [rows, cols] = weight.dims();
                 let device = self.bias.as_ref().map_or_else(Device::flex, |b| b.device());
@@ -252,28 +248,26 @@ impl FrozenLinear {
     /// The first `n` output columns of `W^T`, row-major `[in_features, n]` (dequantized when
     /// kept quantized).
     pub fn first_columns(&self, n: usize) -> Vec<f32> {
-        match &self.weight {
-            LinearWeight::Dense(weight_t) => {
-                let [i, _] = weight_t.dims();
-                weight_t
+        let rows = match &self.weight {
+            LinearWeight::Dense(weight) => {
+                let [_, i] = weight.dims();
+                weight
                     .clone()
-                    .slice([0..i, 0..n])
+                    .slice([0..n, 0..i])
                     .into_data()
                     .convert::<f32>()
                     .try_into_vec::<f32>()
                     .unwrap_or_default()
             }
-            LinearWeight::Quantized(weight) => {
-                let rows = weight.gather_rows(&(0..n).collect::<Vec<_>>());
-                transpose_host(&rows, n, weight.dims()[1])
-            }
-        }
+            LinearWeight::Quantized(weight) => weight.gather_rows(&(0..n).collect::<Vec<_>>()),
+        };
+        transpose_host(&rows, n, self.dims()[1])
     }
 
     /// Bytes the weight and bias take in memory.
     pub fn bytes(&self) -> usize {
         let weight = match &self.weight {
-            LinearWeight::Dense(weight_t) => 4 * weight_t.dims().iter().product::<usize>(),
+            LinearWeight::Dense(weight) => 4 * weight.dims().iter().product::<usize>(),
             LinearWeight::Quantized(weight) => weight.bytes(),
         };
         weight + self.bias.as_ref().map_or(0, |b| 4 * b.dims()[0])
@@ -283,7 +277,7 @@ impl FrozenLinear {
     /// `x`: `[rows, in]` -> `[rows, out]`
     pub fn forward_2d(&self, x: Tensor<2>) -> Tensor<2> {
         let y = match &self.weight {
-            LinearWeight::Dense(weight_t) => dense_linear(x, weight_t),
+            LinearWeight::Dense(weight) => dense_linear(x, weight),
             LinearWeight::Quantized(weight) => quant::quantized_linear(x, weight),
         };
         match &self.bias {

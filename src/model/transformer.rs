@@ -476,8 +476,14 @@ impl CausalLm {
         let head_name = if config.tie_word_embeddings { embedding_name } else { "lm_head.weight" };
         let (embed_tokens, lm_head) = match loader.format {
             BaseFormat::F32 => {
-                let embed_tokens = TokenEmbedding::Dense(source.load::<2>(embedding_name, [v, h], device)?);
-                (embed_tokens, FrozenLinear::load(loader, head_name.trim_end_matches(".weight"), h, v, false)?)
+                let table = source.load::<2>(embedding_name, [v, h], device)?;
+                // A tied head is the embedding's own tensor: both are `[vocab, hidden]`.
+                let lm_head = if config.tie_word_embeddings {
+                    FrozenLinear { weight: LinearWeight::Dense(table.clone()), bias: None }
+                } else {
+                    FrozenLinear::load(loader, head_name.trim_end_matches(".weight"), h, v, false)?
+                };
+                (TokenEmbedding::Dense(table), lm_head)
             }
             BaseFormat::Quantized => {
                 quant::check_device(device)?;
@@ -520,8 +526,7 @@ impl CausalLm {
     }
 
     /// Bytes the weights take in memory (matrices in f32 or in their kept block formats; a tied
-    /// LM head counted once when it shares the embedding's blocks, twice in f32 where troupe
-    /// keeps a transposed copy).
+    /// LM head, which shares the embedding's tensor or blocks, counted once).
     pub fn weight_bytes(&self) -> usize {
         let norm = |n: &RmsNorm| 4 * n.weight.dims()[0];
         let layers: usize = self
@@ -539,11 +544,7 @@ impl CausalLm {
                     + l.mlp.down_proj.bytes()
             })
             .sum();
-        let shared_head = matches!(
-            (&self.embed_tokens, &self.lm_head.weight),
-            (TokenEmbedding::Quantized(_), LinearWeight::Quantized(_))
-        ) && self.config.tie_word_embeddings;
-        let head = if shared_head { 0 } else { self.lm_head.bytes() };
+        let head = if self.config.tie_word_embeddings { 0 } else { self.lm_head.bytes() };
         self.embed_tokens.bytes() + layers + norm(&self.norm) + head
     }
 

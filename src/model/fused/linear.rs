@@ -1,11 +1,14 @@
 //! The frozen projection `x W^T` through the GEMM directly into a fresh output buffer.
 //!
+//! The weight is kept as `W` (`[out, in]`, as checkpoints store it), which the GEMM reads as a
+//! transposed view and a few-row product (decoding) reads as contiguous rows.
+//!
 //! burn's CPU matmul makes the same GEMM call but first allocates its output zeroed and then
 //! copies it to a more strictly aligned buffer: two passes over every projection's output
 //! (262 MB for the LM head of a 16 x 128 prefill) on one thread. Here the GEMM writes the
-//! output once. The call (`gemm::gemm`, the same strides, the same parallelism threshold) and
-//! the backward (`dx = dy W` through a transposed view, as `burn-autodiff` forms it) are burn's,
-//! so the results are identical bit for bit (tested).
+//! output once. The call (`gemm::gemm`, the same parallelism threshold) and the backward
+//! (`dx = dy W`) are burn's, so the results are identical bit for bit to `x.matmul(W^T)`
+//! (tested).
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -27,11 +30,11 @@ pub const FEW_ROWS: usize = 16;
 /// The frozen projection, as a burn backend extension.
 #[backend_extension(Autodiff, Flex)]
 pub trait DenseLinearBackend: burn::backend::Backend {
-    /// `x W^T` from `W^T`; only `x` is differentiated (the weight is frozen).
+    /// `x W^T`; only `x` is differentiated (the weight is frozen).
     ///
     /// # Shapes
-    /// `x`: `[m, in]`, `weight_t`: `[in, out]` -> `[m, out]`
-    fn dense_linear(x: FloatTensor<Self>, weight_t: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// `x`: `[m, in]`, `weight`: `[out, in]` -> `[m, out]`
+    fn dense_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 /// A 2-D f32 operand: its values from the start offset, and its row and column strides.
@@ -120,23 +123,24 @@ fn positive_strides(tensor: FlexTensor) -> FlexTensor {
 }
 
 impl DenseLinearBackend for Flex {
-    fn dense_linear(x: FlexTensor, weight_t: FlexTensor) -> FlexTensor {
-        let (x, weight_t) = (positive_strides(x), positive_strides(weight_t));
-        let (lhs, rhs) = (Operand::of(&x), Operand::of(&weight_t));
-        if lhs.rows <= FEW_ROWS && lhs.col_stride == 1 && rhs.col_stride == 1 {
-            if let Some(out) = few_rows::product(&lhs, &rhs) {
+    fn dense_linear(x: FlexTensor, weight: FlexTensor) -> FlexTensor {
+        let (x, weight) = (positive_strides(x), positive_strides(weight));
+        let (lhs, weight) = (Operand::of(&x), Operand::of(&weight));
+        if lhs.rows <= FEW_ROWS && lhs.col_stride == 1 && weight.col_stride == 1 {
+            if let Some(out) = few_rows::product(&lhs, &weight) {
                 return out;
             }
         }
-        product(lhs, rhs)
+        product(lhs, weight.transposed())
     }
 }
 
-/// A product with few rows (decoding), where the GEMM is bound by reading the weight: the
-/// weight is streamed once from memory, in column panels that run in parallel, each panel
-/// multiplied with every row while it sits in cache (the GEMM packs a copy of the whole weight
-/// first). Each output is one fused multiply-add chain over `k`, as the GEMM's is when `k` fits
-/// its blocking; past it (`k` = 1536 here) the sums differ from the GEMM's in the last bits.
+/// A product with few rows (decoding), where the GEMM spends as long packing the weight as
+/// multiplying by it: each output is the dot product of an input row with a weight row, the
+/// weight streamed once from memory in contiguous rows (blocks of columns run in parallel), each
+/// block of three weight rows multiplied with four input rows while it sits in cache. Each output
+/// sums eight lanes of fused multiply-adds, so it differs from the GEMM's single chain in the
+/// last bits.
 mod few_rows {
     use burn::backend::flex::FlexTensor;
     use burn::tensor::TensorData;
@@ -144,35 +148,32 @@ mod few_rows {
 
     use super::Operand;
 
-    /// Output columns per panel: four 16-lane vectors.
-    const PANEL: usize = 64;
-    /// Rows per register block: 4 rows x 4 vectors of accumulators.
+    /// Input rows per register block.
     const BLOCK_ROWS: usize = 4;
-    /// Panels per rayon task.
-    const PANELS_PER_TASK: usize = 4;
+    /// Weight rows (output columns) per register block.
+    const BLOCK_COLS: usize = 3;
+    /// Output columns per rayon task: sixteen register blocks.
+    const TASK_COLS: usize = 16 * BLOCK_COLS;
 
-    /// `lhs rhs` for row-major operands, or `None` where the CPU lacks AVX-512 (the GEMM then
-    /// runs).
-    pub(super) fn product(lhs: &Operand<'_>, rhs: &Operand<'_>) -> Option<FlexTensor> {
+    /// `x W^T` for `x` (`m x k`, rows contiguous) and `W` (`n x k`, rows contiguous), or `None`
+    /// where the CPU lacks AVX2 and FMA (the GEMM then runs).
+    pub(super) fn product(x: &Operand<'_>, weight: &Operand<'_>) -> Option<FlexTensor> {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
-            let (lhs_stride, rhs_stride) = (lhs.row_stride as usize, rhs.row_stride as usize);
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            let (m, k, n) = (x.rows, x.cols, weight.rows);
+            let (x_stride, w_stride) = (x.row_stride as usize, weight.row_stride as usize);
             let mut out = vec![0.0f32; m * n];
-            let task_cols = PANEL * PANELS_PER_TASK;
-            let tasks = n.div_ceil(task_cols);
             let out_ptr = SendPtr(out.as_mut_ptr());
-            (0..tasks).into_par_iter().for_each(|task| {
-                let (c0, c1) = (task * task_cols, ((task + 1) * task_cols).min(n));
-                // SAFETY: the CPU has AVX-512F; each task writes only its own columns [c0, c1)
-                // of `out` (m x n), and reads the operands within their shapes and strides.
-                unsafe {
-                    avx512::panels(lhs.values, lhs_stride, rhs.values, rhs_stride, out_ptr.get(), m, k, n, c0, c1)
-                };
+            (0..n.div_ceil(TASK_COLS)).into_par_iter().for_each(|task| {
+                let (c0, c1) = (task * TASK_COLS, ((task + 1) * TASK_COLS).min(n));
+                // SAFETY: the CPU has AVX2 and FMA; each task writes only its own columns
+                // [c0, c1) of `out` (m x n), and reads the operands within their shapes and
+                // strides.
+                unsafe { avx2::columns(x.values, x_stride, weight.values, w_stride, out_ptr.get(), m, k, n, c0, c1) };
             });
             return Some(FlexTensor::from_data(TensorData::new(out, [m, n])));
         }
-        let _ = (lhs, rhs);
+        let _ = (x, weight);
         None
     }
 
@@ -190,20 +191,29 @@ mod few_rows {
     }
 
     #[cfg(target_arch = "x86_64")]
-    mod avx512 {
+    mod avx2 {
         use std::arch::x86_64::*;
 
-        use super::{BLOCK_ROWS, PANEL};
+        use super::{BLOCK_COLS, BLOCK_ROWS};
 
-        /// Columns `[c0, c1)` of `out = lhs rhs` (`m x k` times `k x n`, row-major with the
-        /// given row strides), panel by panel; a last partial panel is masked.
-        #[target_feature(enable = "avx512f")]
+        /// The sum of a vector's eight lanes.
+        #[target_feature(enable = "avx2,fma")]
+        fn lane_sum(v: __m256) -> f32 {
+            let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+            _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)))
+        }
+
+        /// Columns `[c0, c1)` of `out = x W^T` (`x`: `m x k`, `W`: `n x k`, both row-major
+        /// with the given row strides; `out`: `m x n`), in blocks of up to `BLOCK_ROWS` rows
+        /// and `BLOCK_COLS` columns.
+        #[target_feature(enable = "avx2,fma")]
         #[allow(clippy::too_many_arguments)]
-        pub(in super::super) unsafe fn panels(
-            lhs: &[f32],
-            lhs_stride: usize,
-            rhs: &[f32],
-            rhs_stride: usize,
+        pub(in super::super) unsafe fn columns(
+            x: &[f32],
+            x_stride: usize,
+            w: &[f32],
+            w_stride: usize,
             out: *mut f32,
             m: usize,
             k: usize,
@@ -213,41 +223,85 @@ mod few_rows {
         ) {
             let mut c = c0;
             while c < c1 {
-                let width = (c1 - c).min(PANEL);
-                // One lane mask per vector of the panel (all ones but in a last partial panel).
-                let mut masks = [0 as __mmask16; 4];
-                for (q, mask) in masks.iter_mut().enumerate() {
-                    let lanes = width.saturating_sub(q * 16).min(16);
-                    *mask = ((1u32 << lanes) - 1) as __mmask16;
-                }
+                let cols = (c1 - c).min(BLOCK_COLS);
                 let mut r = 0;
                 while r < m {
                     let rows = (m - r).min(BLOCK_ROWS);
-                    let mut acc = [[_mm512_setzero_ps(); 4]; BLOCK_ROWS];
-                    for i in 0..k {
-                        // SAFETY (whole block): row i's columns [c, c + width) lie in `rhs`;
-                        // masked lanes are not read.
-                        let w = rhs.as_ptr().add(i * rhs_stride + c);
-                        let mut wv = [_mm512_setzero_ps(); 4];
-                        for q in 0..4 {
-                            wv[q] = _mm512_maskz_loadu_ps(masks[q], w.add(q * 16));
+                    // The second row block (which finds this block's weight rows in cache)
+                    // pulls the next columns' rows in while it computes; with one row block,
+                    // the first.
+                    let pulls = r == BLOCK_ROWS || (r == 0 && m < 2 * BLOCK_ROWS);
+                    let next = (pulls && c + 2 * BLOCK_COLS <= n).then(|| w.as_ptr().add((c + BLOCK_COLS) * w_stride));
+                    if rows == BLOCK_ROWS && cols == BLOCK_COLS {
+                        block::<BLOCK_ROWS, BLOCK_COLS>(x, x_stride, w, w_stride, out, n, k, r, c, next);
+                    } else if cols == BLOCK_COLS {
+                        for rr in r..r + rows {
+                            let next = next.filter(|_| rr == r);
+                            block::<1, BLOCK_COLS>(x, x_stride, w, w_stride, out, n, k, rr, c, next);
                         }
-                        for (rr, acc) in acc.iter_mut().enumerate().take(rows) {
-                            let b = _mm512_set1_ps(*lhs.get_unchecked((r + rr) * lhs_stride + i));
-                            for q in 0..4 {
-                                acc[q] = _mm512_fmadd_ps(b, wv[q], acc[q]);
+                    } else {
+                        for rr in r..r + rows {
+                            for cc in c..c + cols {
+                                block::<1, 1>(x, x_stride, w, w_stride, out, n, k, rr, cc, None);
                             }
                         }
                     }
-                    for (rr, acc) in acc.iter().enumerate().take(rows) {
-                        let y = out.add((r + rr) * n + c);
-                        for q in 0..4 {
-                            _mm512_mask_storeu_ps(y.add(q * 16), masks[q], acc[q]);
-                        }
-                    }
-                    r += BLOCK_ROWS;
+                    r += rows;
                 }
-                c += width;
+                c += cols;
+            }
+        }
+
+        /// `out[r..r + R, c..c + C]`: eight-lane partial dot products over `k`, summed, then
+        /// the last `k % 8` terms one by one. `prefetch`: the start of `C` more weight rows
+        /// (`w_stride` apart) to bring into cache on the way.
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        #[inline]
+        unsafe fn block<const R: usize, const C: usize>(
+            x: &[f32],
+            x_stride: usize,
+            w: &[f32],
+            w_stride: usize,
+            out: *mut f32,
+            n: usize,
+            k: usize,
+            r: usize,
+            c: usize,
+            prefetch: Option<*const f32>,
+        ) {
+            let vectors = k / 8 * 8;
+            let mut acc = [[_mm256_setzero_ps(); C]; R];
+            let mut i = 0;
+            while i < vectors {
+                // SAFETY (whole loop): rows r..r + R of x and c..c + C of W have k values from
+                // their row starts; i + 8 <= k.
+                if let Some(next) = prefetch.filter(|_| i % 16 == 0) {
+                    for q in 0..C {
+                        _mm_prefetch::<_MM_HINT_T0>(next.add(q * w_stride + i).cast());
+                    }
+                }
+                let mut wv = [_mm256_setzero_ps(); C];
+                for (q, wv) in wv.iter_mut().enumerate() {
+                    *wv = _mm256_loadu_ps(w.as_ptr().add((c + q) * w_stride + i));
+                }
+                for (rr, acc) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_loadu_ps(x.as_ptr().add((r + rr) * x_stride + i));
+                    for q in 0..C {
+                        acc[q] = _mm256_fmadd_ps(xv, wv[q], acc[q]);
+                    }
+                }
+                i += 8;
+            }
+            for (rr, acc) in acc.iter().enumerate() {
+                for (q, acc) in acc.iter().enumerate() {
+                    let (x_row, w_row) = ((r + rr) * x_stride, (c + q) * w_stride);
+                    let mut sum = lane_sum(*acc);
+                    for i in vectors..k {
+                        sum = x.get_unchecked(x_row + i).mul_add(*w.get_unchecked(w_row + i), sum);
+                    }
+                    *out.add((r + rr) * n + c + q) = sum;
+                }
             }
         }
     }
@@ -258,7 +312,7 @@ mod few_rows {
 struct DenseLinearBackward;
 
 impl Backward<Flex, 2> for DenseLinearBackward {
-    /// `W^T`.
+    /// `W`.
     type State = FlexTensor;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
@@ -266,16 +320,17 @@ impl Backward<Flex, 2> for DenseLinearBackward {
         let grad = grads.consume::<Flex>(&ops.node);
         if let Some(node) = node_x {
             let grad = positive_strides(grad);
-            let dx = product(Operand::of(&grad), Operand::of(&ops.state).transposed());
+            let dx = product(Operand::of(&grad), Operand::of(&ops.state));
             grads.register::<Flex>(node.id, dx);
         }
     }
 }
 
 impl<C: CheckpointStrategy> DenseLinearBackend for Autodiff<Flex, C> {
-    fn dense_linear(x: FloatTensor<Self>, weight_t: FloatTensor<Self>) -> FloatTensor<Self> {
-        let weight = weight_t.primitive().clone();
-        match DenseLinearBackward.prepare::<C>([x.node(), weight_t.node()]).compute_bound().stateful() {
+    fn dense_linear(x: FloatTensor<Self>, weight: FloatTensor<Self>) -> FloatTensor<Self> {
+        let node = weight.node();
+        let weight = weight.primitive().clone();
+        match DenseLinearBackward.prepare::<C>([x.node(), node]).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
                 let out = Flex::dense_linear(x.primitive().clone(), weight.clone());
                 prep.finish(positive_strides(weight), out)
@@ -285,17 +340,19 @@ impl<C: CheckpointStrategy> DenseLinearBackend for Autodiff<Flex, C> {
     }
 }
 
-/// `x W^T` for a frozen `W` given as `W^T`: straight into its output on the CPU, burn's matmul
-/// elsewhere (and for any dtype but f32); the same values either way. The weight gets no gradient.
+/// `x W^T` for a frozen `W`: straight into its output on the CPU, burn's matmul elsewhere (and
+/// for any dtype but f32); the same values either way, but for products of at most
+/// [`FEW_ROWS`] rows on the CPU, whose sums are ordered differently (within float rounding).
+/// The weight gets no gradient.
 ///
 /// # Shapes
-/// `x`: `[m, in]`, `weight_t`: `[in, out]` -> `[m, out]`
-pub fn dense_linear(x: Tensor<2>, weight_t: &Tensor<2>) -> Tensor<2> {
-    if !on_flex(&x) || x.dtype() != DType::F32 || weight_t.dtype() != DType::F32 {
-        return x.matmul(weight_t.clone());
+/// `x`: `[m, in]`, `weight`: `[out, in]` -> `[m, out]`
+pub fn dense_linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
+    if !on_flex(&x) || x.dtype() != DType::F32 || weight.dtype() != DType::F32 {
+        return x.matmul(weight.clone().transpose());
     }
     Tensor::from_dispatch(<Dispatch as DenseLinearBackend>::dense_linear(
         x.into_dispatch(),
-        weight_t.clone().into_dispatch(),
+        weight.clone().into_dispatch(),
     ))
 }
