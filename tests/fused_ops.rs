@@ -176,3 +176,74 @@ fn rope_equals_the_rotate_half_composite_bit_for_bit() {
     assert_eq!(fused.0, composite.0, "values");
     assert_eq!(fused.1, composite.1, "gradients");
 }
+
+#[test]
+fn attention_matches_burns_masked_attention() {
+    use burn::tensor::module::attention as burn_attention;
+    use burn::tensor::ops::AttentionModuleOptions;
+    use burn::tensor::Bool;
+    use std::sync::Arc;
+    use troupe::model::fused::{attention, HostMask};
+
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    // Grouped heads (4 over 2), queries past one block (64) after a cache of 20 slots, left
+    // padding, a block-structured row, a query that may see nothing, and one decoding step.
+    for (batch, heads, kv_heads, seq, past, dim) in [(3, 4, 2, 70, 20, 16), (2, 2, 1, 1, 9, 8), (1, 3, 3, 5, 0, 4)] {
+        let keys = past + seq;
+        let mut hidden = Vec::with_capacity(batch * seq * keys);
+        for b in 0..batch {
+            let pad = 3 * b;
+            for i in 0..seq {
+                let slot = past + i;
+                for key in 0..keys {
+                    let blocked = b == 1 && key >= past && (key - past) / 7 != i / 7;
+                    let nothing = b == 2 && i == 4;
+                    hidden.push(key > slot || key < pad || blocked || nothing);
+                }
+            }
+        }
+        let four = |rng: &mut ChaCha8Rng, dims: [usize; 4]| {
+            let values: Vec<f32> = (0..dims.iter().product()).map(|_| rng.random_range(-2.0f32..2.0)).collect();
+            Tensor::<4>::from_data(TensorData::new(values, dims), &device)
+        };
+        let q = four(&mut rng, [batch, heads, seq, dim]);
+        let k = four(&mut rng, [batch, kv_heads, keys, dim]);
+        let v = four(&mut rng, [batch, kv_heads, keys, dim]);
+        let out_grad = four(&mut rng, [batch, heads, seq, dim]);
+        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden.clone(), [batch, 1, seq, keys]), &device);
+        let host = Arc::new(HostMask::new(hidden, [batch, seq, keys]));
+        let run = |fused: bool| {
+            let leaf = |t: &Tensor<4>| Tensor::<4>::from_data(t.to_data(), &device).require_grad();
+            let (q, k, v) = (leaf(&q), leaf(&k), leaf(&v));
+            let out = if fused {
+                attention(q.clone(), k.clone(), v.clone(), &mask, &host)
+            } else {
+                let group = heads / kv_heads;
+                let repeat = |t: Tensor<4>| {
+                    t.unsqueeze_dim::<5>(2)
+                        .expand([batch, kv_heads, group, keys, dim])
+                        .reshape([batch, heads, keys, dim])
+                };
+                let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+                burn_attention(q.clone(), repeat(k.clone()), repeat(v.clone()), Some(mask.clone()), None, options)
+            };
+            let grads = (out.clone() * out_grad.clone()).sum().backward();
+            let flat =
+                |t: Tensor<4>| t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+            let grad = |t: &Tensor<4>| flat(t.grad(&grads).expect("a gradient"));
+            [flat(out), grad(&q), grad(&k), grad(&v)]
+        };
+        let (fused, burn) = (run(true), run(false));
+        for (what, (got, want)) in ["values", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&burn)) {
+            let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs() / b.abs().max(1.0)).fold(0.0f32, f32::max);
+            assert!(worst < 2e-5, "{what} ({batch} x {heads}/{kv_heads} x {seq} + {past}): {worst}");
+            assert!(got.iter().all(|x| x.is_finite()), "{what}: finite");
+        }
+        // The query that sees nothing gets zeros, as burn's masked softmax gives.
+        if batch == 3 {
+            let row = (2 * heads * seq + 4) * dim;
+            assert!(fused[0][row..row + dim].iter().all(|&x| x == 0.0));
+        }
+    }
+}

@@ -10,7 +10,7 @@
 //! that predict a candidate token (the prompt's last one and every candidate token but the
 //! last), so the LM head costs `candidate tokens x vocab`, not `row length x vocab`.
 
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::error::{Result, TroupeError};
 use crate::model::{AttentionLayout, CausalLm, ForwardArgs, ProjectionDelta};
@@ -173,10 +173,7 @@ impl PackedChoices {
         };
         Ok(Self {
             tokens: lm.token_tensor(&rows)?,
-            layout: AttentionLayout {
-                positions: Tensor::from_data(TensorData::new(positions, [batch, width]), &device),
-                mask: Tensor::<4, Bool>::from_data(TensorData::new(mask, [batch, 1, width, width]), &device),
-            },
+            layout: AttentionLayout::new(positions, mask, [batch, width, width], &device),
             predictors: int1(predictors),
             target_logits: int1(target_logits),
             target_predictor: int1(target_predictor),

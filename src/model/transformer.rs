@@ -5,12 +5,12 @@
 //! that differs per call (token positions, the attention mask, the KV cache, which adapter each
 //! row uses) is passed in, so one model serves many sequences and many agents at once.
 
-use burn::tensor::module::attention;
-use burn::tensor::ops::AttentionModuleOptions;
+use std::sync::Arc;
+
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 use super::config::{ModelConfig, ModelType};
-use super::fused::swiglu;
+use super::fused::{attention, swiglu, HostMask};
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
 use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
 use super::weights::WeightSource;
@@ -24,6 +24,21 @@ pub struct AttentionLayout {
     pub positions: Tensor<2, Int>,
     /// `[batch, 1, seq, keys]`: `true` where a query must NOT see a key.
     pub mask: Tensor<4, Bool>,
+    /// The same mask on the host, for the CPU's fused attention.
+    pub host_mask: Arc<HostMask>,
+}
+
+impl AttentionLayout {
+    /// The layout of `positions` (`[batch, seq]`) and `hidden` (`[batch, seq, keys]`, row-major;
+    /// `true` where a query must NOT see a key).
+    pub fn new(positions: Vec<i64>, hidden: Vec<bool>, [batch, seq, keys]: [usize; 3], device: &Device) -> Self {
+        let host_mask = Arc::new(HostMask::new(hidden, [batch, seq, keys]));
+        Self {
+            positions: Tensor::from_data(TensorData::new(positions, [batch, seq]), device),
+            mask: host_mask.tensor(device),
+            host_mask,
+        }
+    }
 }
 
 /// Tracks, per batch row, which slots of the (cached) sequence hold real tokens, so that rows of
@@ -92,10 +107,7 @@ impl SequenceLayout {
                 mask.extend((0..keys).map(|key| key > query_slot || !row.get(key).copied().unwrap_or(false)));
             }
         }
-        AttentionLayout {
-            positions: Tensor::from_data(TensorData::new(positions, [batch, seq]), device),
-            mask: Tensor::from_data(TensorData::new(mask, [batch, 1, seq, keys]), device),
-        }
+        AttentionLayout::new(positions, mask, [batch, seq, keys], device)
     }
 }
 
@@ -410,33 +422,10 @@ impl Attention {
             Some(cache) => cache.append(layer, k, v),
             None => (k, v),
         };
-        // burn's CPU attention shares each key/value head among its query heads itself; the
-        // differentiable fallback needs them repeated.
-        let group = self.num_heads / self.num_kv_heads;
-        let differentiable = q.is_autodiff() || k.is_autodiff() || v.is_autodiff();
-        let (k, v) = if differentiable { (repeat_kv(k, group), repeat_kv(v, group)) } else { (k, v) };
-        let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
-        let out = attention(q, k, v, Some(args.layout.mask.clone()), None, options);
+        let out = attention(q, k, v, &args.layout.mask, &args.layout.host_mask);
         let out = out.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
         project(&self.o_proj, out, layer, Projection::O, args.delta)
     }
-}
-
-/// Repeats each key/value head `group` times so grouped-query attention becomes plain attention.
-///
-/// # Shapes
-/// `[batch, kv_heads, seq, head_dim]` -> `[batch, kv_heads * group, seq, head_dim]`
-fn repeat_kv(x: Tensor<4>, group: usize) -> Tensor<4> {
-    if group == 1 {
-        return x;
-    }
-    let [batch, kv_heads, seq, head_dim] = x.dims();
-    x.unsqueeze_dim::<5>(2).expand([batch, kv_heads, group, seq, head_dim]).reshape([
-        batch,
-        kv_heads * group,
-        seq,
-        head_dim,
-    ])
 }
 
 impl Mlp {

@@ -9,6 +9,8 @@
 //!   `silu(gate) * up`, so a model computes exactly what it did with the composite.
 //! - [`token_logprobs`]: `log softmax(logits)[target]` per row, the scorer's inner step, with a
 //!   vectorized `exp` ([`vexp`]): no vocabulary-wide temporaries beside the logits themselves.
+//! - [`attention`]: masked grouped-query attention, one task per key/value head, over only the
+//!   keys a block of queries may see, with its backward.
 //!
 //! Each falls back to burn's composite ops on other backends (CUDA).
 
@@ -16,12 +18,14 @@ use burn::backend::flex::FlexTensor;
 use burn::tensor::{Device, Tensor};
 use rayon::prelude::*;
 
+pub mod attention;
 pub mod linear;
 pub mod rope;
 pub mod swiglu;
 pub mod token_logprob;
 pub mod vexp;
 
+pub use attention::{attention, HostMask};
 pub use linear::dense_linear;
 pub use rope::rope;
 pub use swiglu::swiglu;
