@@ -1,7 +1,8 @@
 //! The fused CPU kernels (`troupe::model::fused`) against the burn compositions they replace:
-//! the frozen projection and the SwiGLU gate equal burn's bit for bit, values and gradients
-//! (so a model computes exactly what it did); the token log-probability matches burn's
-//! log-softmax within float rounding.
+//! the frozen projection (past decoding's few rows) and the rotary embedding equal burn's bit for
+//! bit, values and gradients; the few-row products match an f64 sum, and the SwiGLU gate, the
+//! RMS norm, the attention, the token log-probability and the log-sum-exp match burn's
+//! composites within float rounding.
 
 use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -86,7 +87,7 @@ fn few_row_products_match_burn_matmul() {
 }
 
 #[test]
-fn swiglu_equals_silu_times_up_bit_for_bit() {
+fn swiglu_matches_silu_times_up() {
     let device = Device::flex().autodiff();
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let (rows, width) = (37, 96);
@@ -100,12 +101,25 @@ fn swiglu_equals_silu_times_up_bit_for_bit() {
         let grads = (out.clone() * out_grad.clone()).sum().backward();
         (values(out), values(stacked.grad(&grads).expect("a gradient")))
     };
+    let close = |got: &[f32], want: &[f32], what: &str| {
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(want) {
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{what}: {g} vs {w}");
+        }
+    };
     let (fused, composite) = (run(true), run(false));
-    assert_eq!(fused.0, composite.0, "values");
-    assert_eq!(fused.1, composite.1, "gradients of gate and up");
-    // Without autodiff too.
+    close(&fused.0, &composite.0, "values");
+    close(&fused.1, &composite.1, "gradients of gate and up");
+    // Without autodiff too, with gates far out on both sides (the exponential saturates).
     let (gate, up) = (random(&mut rng, [5, 7], 3.0, &Device::flex()), random(&mut rng, [5, 7], 3.0, &Device::flex()));
-    assert_eq!(values(swiglu(gate.clone(), up.clone())), values(silu(gate) * up));
+    let far = Tensor::<2>::from_data(
+        TensorData::new(vec![-200.0f32, -90.0, -30.0, 0.0, 30.0, 90.0, 200.0], [1, 7]),
+        &Device::flex(),
+    );
+    for gate in [gate, far] {
+        let up = up.clone().narrow(0, 0, gate.dims()[0]);
+        close(&values(swiglu(gate.clone(), up.clone())), &values(silu(gate) * up), "values without autodiff");
+    }
 }
 
 #[test]
@@ -245,5 +259,74 @@ fn attention_matches_burns_masked_attention() {
             let row = (2 * heads * seq + 4) * dim;
             assert!(fused[0][row..row + dim].iter().all(|&x| x == 0.0));
         }
+    }
+}
+
+#[test]
+fn rms_norm_matches_the_composite() {
+    use troupe::model::fused::rms_norm;
+
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (batch, seq, heads, dim) = (3, 5, 4, 37);
+    let three = |rng: &mut ChaCha8Rng, dims: [usize; 3]| {
+        let values: Vec<f32> = (0..dims.iter().product()).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+        Tensor::<3>::from_data(TensorData::new(values, dims), &device)
+    };
+    let weight_values: Vec<f32> = (0..dim).map(|_| rng.random_range(0.5f32..1.5)).collect();
+    let x = three(&mut rng, [batch, seq, heads * dim + 6]);
+    let out_grad = three(&mut rng, [batch * seq, heads, dim]);
+    let eps = 1e-6;
+    let run = |fused: bool| {
+        let x = Tensor::<3>::from_data(x.to_data(), &device).require_grad();
+        let weight = Tensor::<1>::from_data(TensorData::new(weight_values.clone(), [dim]), &device).require_grad();
+        // Per-head rows of a narrowed projection output, as the Qwen3 q/k norms see them.
+        let heads_view = x.clone().narrow(2, 6, heads * dim).reshape([batch * seq, heads, dim]);
+        let out = if fused {
+            rms_norm(heads_view, &weight, eps)
+        } else {
+            let mean_square = heads_view.clone().square().mean_dim(2);
+            heads_view * (mean_square + eps).sqrt().recip() * weight.clone().reshape([1, 1, dim])
+        };
+        let grads = (out.clone() * out_grad.clone()).sum().backward();
+        let values3 =
+            |t: Tensor<3>| t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let dw = weight.grad(&grads).expect("dw").into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        [values3(out), values3(x.grad(&grads).expect("dx")), dw]
+    };
+    let (fused, composite) = (run(true), run(false));
+    for (what, (got, want)) in ["values", "dx", "dw"].iter().zip(fused.iter().zip(&composite)) {
+        assert_eq!(got.len(), want.len());
+        let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs() / b.abs().max(1.0)).fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "{what}: {worst}");
+    }
+}
+
+#[test]
+fn logsumexp_matches_the_composite() {
+    use troupe::model::fused::logsumexp;
+
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let (rows, vocab) = (13, 3001);
+    let logits = random(&mut rng, [rows, vocab], 12.0, &device);
+    let weights = random(&mut rng, [1, rows], 1.0, &device).reshape([rows]);
+    let run = |fused: bool| {
+        let x = Tensor::<2>::from_data(logits.to_data(), &device).require_grad();
+        let lse = if fused {
+            logsumexp(x.clone())
+        } else {
+            let max = x.clone().detach().max_dim(1);
+            ((x.clone() - max.clone()).exp().sum_dim(1).log() + max).reshape([rows])
+        };
+        let grads = (lse.clone() * weights.clone()).sum().backward();
+        (values(lse.reshape([1, rows])), values(x.grad(&grads).expect("a gradient")))
+    };
+    let ((got, got_grad), (want, want_grad)) = (run(true), run(false));
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+    }
+    for (g, w) in got_grad.iter().zip(&want_grad) {
+        assert!((g - w).abs() <= 1e-6, "gradient {g} vs {w}");
     }
 }

@@ -13,6 +13,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::error::{Result, TroupeError};
+use crate::model::fused::logsumexp;
 use crate::model::{AttentionLayout, CausalLm, ForwardArgs, ProjectionDelta};
 
 /// Added in place of a missing candidate's log-likelihood so that it takes no probability.
@@ -217,8 +218,7 @@ pub fn candidate_logliks(
     let at = hidden.reshape([batch * width, size]).select(0, packed.predictors.clone());
     let logits = lm.lm_head.forward_2d(at);
     let [predictors, vocab] = logits.dims();
-    let max = logits.clone().detach().max_dim(1);
-    let lse = ((logits.clone() - max.clone()).exp().sum_dim(1).log() + max).reshape([predictors]);
+    let lse = logsumexp(logits.clone());
     let token_logp = logits.reshape([predictors * vocab]).select(0, packed.target_logits.clone())
         - lse.select(0, packed.target_predictor.clone());
     let device = token_logp.device();

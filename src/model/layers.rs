@@ -314,11 +314,7 @@ impl RmsNorm {
     /// # Shapes
     /// `x`: `[..., features]` -> same
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let mean_square = x.clone().square().mean_dim(D - 1);
-        let normed = x * (mean_square + self.eps).sqrt().recip();
-        let mut shape = [1usize; D];
-        shape[D - 1] = self.weight.dims()[0];
-        normed * self.weight.clone().reshape(shape)
+        super::fused::rms_norm(x, &self.weight, self.eps)
     }
 }
 

@@ -3,12 +3,14 @@
 //! single-threaded ones (and its autodiff saves or recomputes every intermediate).
 //!
 //! - [`dense_linear`]: a frozen projection `x W^T`, burn's own GEMM call written straight into
-//!   its output (burn's matmul zeroes its output and copies it once more).
+//!   its output (burn's matmul zeroes its output and copies it once more); decoding's few rows
+//!   as dot products over the weight's rows.
 //! - [`rope`]: the rotary embedding, bit for bit burn's composite.
-//! - [`swiglu`]: the MLP's `silu(gate) * up`, bit for bit the values and gradients of burn's
-//!   `silu(gate) * up`, so a model computes exactly what it did with the composite.
+//! - [`swiglu`]: the MLP's `silu(gate) * up` on the vectorized `exp` ([`vexp`]).
 //! - [`token_logprobs`]: `log softmax(logits)[target]` per row, the scorer's inner step, with a
 //!   vectorized `exp` ([`vexp`]): no vocabulary-wide temporaries beside the logits themselves.
+//! - [`logsumexp`]: each row's log-sum-exp (the choice scorer's normaliser), the same way.
+//! - [`rms_norm`]: the RMS norm, one pass each way.
 //! - [`attention`]: masked grouped-query attention, one task per key/value head, over only the
 //!   keys a block of queries may see, with its backward.
 //!
@@ -20,6 +22,7 @@ use rayon::prelude::*;
 
 pub mod attention;
 pub mod linear;
+pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
 pub mod token_logprob;
@@ -27,9 +30,10 @@ pub mod vexp;
 
 pub use attention::{attention, HostMask};
 pub use linear::dense_linear;
+pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use swiglu::swiglu;
-pub use token_logprob::token_logprobs;
+pub use token_logprob::{logsumexp, token_logprobs};
 
 /// Rows handed to one rayon task: enough work to pay for the hand-off.
 const MIN_PARALLEL_ELEMENTS: usize = 1 << 14;

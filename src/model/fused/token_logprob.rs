@@ -130,3 +130,89 @@ pub fn token_logprobs(logits: Tensor<2>, targets: &[u32]) -> Tensor<1> {
     let targets: Targets = targets.into();
     Tensor::from_dispatch(<Dispatch as TokenLogprobBackend>::token_logprobs(logits.into_dispatch(), targets))
 }
+
+/// Each row's `log sum e^x`, as a burn backend extension (the other half of a log-softmax
+/// whose targets are gathered separately).
+#[backend_extension(Autodiff, Flex)]
+pub trait LogSumExpBackend: burn::backend::Backend {
+    /// `log sum_v e^(logits[r, v])` for each row `r`.
+    ///
+    /// # Shapes
+    /// `logits`: `[rows, vocab]` -> `[rows]`
+    fn logsumexp(logits: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+/// Each row's log-sum-exp, in parallel.
+fn row_lse(logits: &Rows<'_>) -> Vec<f32> {
+    (0..logits.rows)
+        .into_par_iter()
+        .with_min_len(rows_per_task(logits.width))
+        .map(|r| {
+            let row = logits.row(r);
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            max + exp_shifted_sum(row, max, None).ln()
+        })
+        .collect()
+}
+
+impl LogSumExpBackend for Flex {
+    fn logsumexp(logits: FlexTensor) -> FlexTensor {
+        let lse = with_rows(&logits, row_lse);
+        let rows = lse.len();
+        FlexTensor::from_data(TensorData::new(lse, [rows]))
+    }
+}
+
+/// The backward of [`LogSumExpBackend::logsumexp`]: `d logits[r, v] = g[r] e^(logits[r, v] -
+/// lse[r])`.
+#[derive(Debug)]
+struct LogSumExpBackward;
+
+impl Backward<Flex, 1> for LogSumExpBackward {
+    /// The logits and each row's log-sum-exp.
+    type State = (FlexTensor, Arc<[f32]>);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_logits] = ops.parents;
+        let grad = grads.consume::<Flex>(&ops.node);
+        let Some(node) = node_logits else { return };
+        let (logits, lse) = ops.state;
+        let grad: Vec<f32> = with_rows(&grad, |g: &Rows<'_>| (0..g.rows).flat_map(|r| g.row(r)).copied().collect());
+        let [rows, vocab] = logits.layout().shape().dims::<2>();
+        let mut d_logits = vec![0.0f32; rows * vocab];
+        with_rows(&logits, |l: &Rows<'_>| {
+            d_logits.par_chunks_mut(vocab).with_min_len(rows_per_task(vocab)).enumerate().for_each(|(r, out)| {
+                scaled_exp(l.row(r), lse[r], grad[r], out);
+            });
+        });
+        grads.register::<Flex>(node.id, FlexTensor::from_data(TensorData::new(d_logits, [rows, vocab])));
+    }
+}
+
+impl<C: CheckpointStrategy> LogSumExpBackend for Autodiff<Flex, C> {
+    fn logsumexp(logits: FloatTensor<Self>) -> FloatTensor<Self> {
+        match LogSumExpBackward.prepare::<C>([logits.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let saved = logits.primitive().clone();
+                let lse = with_rows(&saved, row_lse);
+                let out = FlexTensor::from_data(TensorData::new(lse.clone(), [lse.len()]));
+                prep.finish((saved, lse.into()), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::logsumexp(logits.into_primitive())),
+        }
+    }
+}
+
+/// `log sum_v e^(logits[r, v])` for each row: fused on the CPU, burn's ops elsewhere.
+/// Differentiable.
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]` -> `[rows]`
+pub fn logsumexp(logits: Tensor<2>) -> Tensor<1> {
+    if !on_flex(&logits) {
+        let [rows, _] = logits.dims();
+        let max = logits.clone().detach().max_dim(1);
+        return ((logits - max.clone()).exp().sum_dim(1).log() + max).reshape([rows]);
+    }
+    Tensor::from_dispatch(<Dispatch as LogSumExpBackend>::logsumexp(logits.into_dispatch()))
+}
