@@ -330,3 +330,33 @@ fn logsumexp_matches_the_composite() {
         assert!((g - w).abs() <= 1e-6, "gradient {g} vs {w}");
     }
 }
+
+#[test]
+fn batched_matmul_equals_burn_matmul_bit_for_bit() {
+    use troupe::model::fused::batched_matmul;
+
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let three = |rng: &mut ChaCha8Rng, dims: [usize; 3]| {
+        let values: Vec<f32> = (0..dims.iter().product()).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        Tensor::<3>::from_data(TensorData::new(values, dims), &device)
+    };
+    // One small product (serial), a batch of small ones (parallel over the batch), one large
+    // (parallel inside the GEMM); the right operand as a transposed view, as LoRA passes it.
+    for (batch, m, k, n) in [(1, 9, 7, 5), (6, 65, 96, 8), (1, 300, 256, 260)] {
+        let lhs = three(&mut rng, [batch, m, k]);
+        let rhs_stored = three(&mut rng, [batch, n, k]);
+        let out_grad = three(&mut rng, [batch, m, n]);
+        let run = |fused: bool| {
+            let lhs = Tensor::<3>::from_data(lhs.to_data(), &device).require_grad();
+            let stored = Tensor::<3>::from_data(rhs_stored.to_data(), &device).require_grad();
+            let rhs = stored.clone().swap_dims(1, 2);
+            let out = if fused { batched_matmul(lhs.clone(), rhs) } else { lhs.clone().matmul(rhs) };
+            let grads = (out.clone() * out_grad.clone()).sum().backward();
+            let flat =
+                |t: Tensor<3>| t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+            [flat(out), flat(lhs.grad(&grads).expect("d lhs")), flat(stored.grad(&grads).expect("d rhs"))]
+        };
+        assert_eq!(run(true), run(false), "{batch} x {m}x{k}x{n}");
+    }
+}

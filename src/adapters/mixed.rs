@@ -15,6 +15,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::lora::{LoraAdapter, Site};
+use crate::model::fused::batched_matmul;
 use crate::model::{ModelConfig, Projection, ProjectionDelta};
 
 /// The update factors of one site for the whole batch.
@@ -148,13 +149,11 @@ impl ProjectionDelta for MixedLora {
             SiteFactors::Shared { a, b_scaled } => {
                 let [batch, seq, fan_in] = x.dims();
                 let out = b_scaled.dims()[0];
-                x.reshape([batch * seq, fan_in])
-                    .matmul(a.clone().transpose())
-                    .matmul(b_scaled.clone().transpose())
-                    .reshape([batch, seq, out])
+                let down = batched_matmul(x.reshape([1, batch * seq, fan_in]), a.clone().transpose().unsqueeze());
+                batched_matmul(down, b_scaled.clone().transpose().unsqueeze()).reshape([batch, seq, out])
             }
             SiteFactors::PerRow { a, b_scaled } => {
-                x.matmul(a.clone().swap_dims(1, 2)).matmul(b_scaled.clone().swap_dims(1, 2))
+                batched_matmul(batched_matmul(x, a.clone().swap_dims(1, 2)), b_scaled.clone().swap_dims(1, 2))
             }
         })
     }

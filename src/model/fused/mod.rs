@@ -5,6 +5,8 @@
 //! - [`dense_linear`]: a frozen projection `x W^T`, burn's own GEMM call written straight into
 //!   its output (burn's matmul zeroes its output and copies it once more); decoding's few rows
 //!   as dot products over the weight's rows.
+//! - [`batched_matmul`]: a product differentiable in both operands (the LoRA factors'), the
+//!   same GEMM calls as burn's matmul written once.
 //! - [`rope`]: the rotary embedding, bit for bit burn's composite.
 //! - [`swiglu`]: the MLP's `silu(gate) * up` on the vectorized `exp` ([`vexp`]).
 //! - [`token_logprobs`]: `log softmax(logits)[target]` per row, the scorer's inner step, with a
@@ -22,6 +24,7 @@ use rayon::prelude::*;
 
 pub mod attention;
 pub mod linear;
+pub mod matmul;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
@@ -30,6 +33,7 @@ pub mod vexp;
 
 pub use attention::{attention, HostMask};
 pub use linear::dense_linear;
+pub use matmul::batched_matmul;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use swiglu::swiglu;
