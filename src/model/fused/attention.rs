@@ -49,12 +49,13 @@ impl HostMask {
     /// The mask `hidden` (`[batch, seq, keys]`, row-major; `true`: hidden).
     pub fn new(hidden: Vec<bool>, [batch, seq, keys]: [usize; 3]) -> Self {
         assert_eq!(hidden.len(), batch * seq * keys, "HostMask: {batch} x {seq} x {keys} values");
-        let spans = hidden
-            .chunks(keys.max(1))
-            .take(batch * seq)
-            .map(|row| match row.iter().position(|h| !h) {
-                None => (0, 0),
-                Some(first) => (first as u32, (keys - row.iter().rev().position(|h| !h).unwrap_or(0)) as u32),
+        let spans = (0..batch * seq)
+            .map(|r| {
+                let row = &hidden[r * keys..(r + 1) * keys];
+                match row.iter().position(|h| !h) {
+                    None => (0, 0),
+                    Some(first) => (first as u32, (keys - row.iter().rev().position(|h| !h).unwrap_or(0)) as u32),
+                }
             })
             .collect();
         Self { hidden, spans, batch, seq, keys }
