@@ -14,8 +14,8 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
+use crate::model::fused::token_logprob::log_sum_exp;
 use crate::model::fused::token_logprobs;
-use crate::model::fused::vexp::exp_shifted_sum;
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
 pub use constrained::{NodeId, TokenTrie, TrieStep};
 use prefix::SharedPrefixes;
@@ -120,8 +120,7 @@ fn to_rows(logits: Tensor<2>) -> Vec<Vec<f32>> {
 /// `log softmax(logits)[token]`, as the update's scorer computes it
 /// ([`crate::model::fused::token_logprobs`]: a vectorized `exp`, summed in lanes).
 fn token_logprob(logits: &[f32], token: u32) -> f32 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    logits[token as usize] - (max + exp_shifted_sum(logits, max, None).ln())
+    logits[token as usize] - log_sum_exp(logits)
 }
 
 /// Generates a continuation of every prompt in one batch. Rows may have different lengths;

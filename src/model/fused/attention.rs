@@ -27,8 +27,8 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, DType, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::on_flex;
 use super::vexp::exp_in_place;
+use super::{gemm_f32, on_flex};
 
 /// Query positions per block: the keys a block computes are those any of its queries may see.
 const QUERY_BLOCK: usize = 64;
@@ -182,25 +182,15 @@ fn product(
     // SAFETY: the asserts above keep every element the strides address inside its slice; the
     // destination does not alias the operands (distinct borrows).
     unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
+        gemm_f32(
+            [m, n, k],
             dst.as_mut_ptr(),
-            1,
             dst_row as isize,
             accumulate,
             lhs.as_ptr(),
-            lhs_col as isize,
-            lhs_row as isize,
+            (lhs_row as isize, lhs_col as isize),
             rhs.as_ptr(),
-            rhs_col as isize,
-            rhs_row as isize,
-            if accumulate { 1.0 } else { 0.0 },
-            1.0,
-            false,
-            false,
-            false,
+            (rhs_row as isize, rhs_col as isize),
             gemm::Parallelism::None,
         );
     }

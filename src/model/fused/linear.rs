@@ -19,7 +19,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Autodiff, Dispatch, Flex};
 use burn::tensor::{DType, Tensor, TensorData};
 
-use super::on_flex;
+use super::{gemm_f32, on_flex, positive_strides};
 
 /// Products of at least this many multiply-adds (`m n k`) run on every core: burn's threshold.
 const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
@@ -85,41 +85,21 @@ fn product(lhs: Operand<'_>, rhs: Operand<'_>) -> FlexTensor {
         // without reading it (`read_dst` false, k > 0); the operands' strides address only their
         // own storage (they come from valid burn layouts of these shapes).
         unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
+            gemm_f32(
+                [m, n, k],
                 out.as_mut_ptr(),
-                1,
                 n as isize,
                 false,
                 lhs.values.as_ptr(),
-                lhs.col_stride,
-                lhs.row_stride,
+                (lhs.row_stride, lhs.col_stride),
                 rhs.values.as_ptr(),
-                rhs.col_stride,
-                rhs.row_stride,
-                0.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
+                (rhs.row_stride, rhs.col_stride),
                 parallelism,
             );
             out.set_len(m * n);
         }
     }
     FlexTensor::from_data(TensorData::new(out, [m, n]))
-}
-
-/// `tensor`, copied to a contiguous layout if a stride is negative (a flipped view), so that
-/// its values run forward from its start offset.
-fn positive_strides(tensor: FlexTensor) -> FlexTensor {
-    if tensor.layout().has_positive_strides() {
-        tensor
-    } else {
-        tensor.to_contiguous()
-    }
 }
 
 impl DenseLinearBackend for Flex {
@@ -146,6 +126,7 @@ mod few_rows {
     use burn::tensor::TensorData;
     use rayon::prelude::*;
 
+    use super::super::SendPtr;
     use super::Operand;
 
     /// Input rows per register block.
@@ -175,19 +156,6 @@ mod few_rows {
         }
         let _ = (x, weight);
         None
-    }
-
-    /// A raw output pointer handed to rayon tasks that write disjoint columns.
-    #[derive(Clone, Copy)]
-    struct SendPtr(*mut f32);
-    // SAFETY: the tasks sharing it write disjoint parts of one live buffer.
-    unsafe impl Send for SendPtr {}
-    // SAFETY: as above.
-    unsafe impl Sync for SendPtr {}
-    impl SendPtr {
-        fn get(self) -> *mut f32 {
-            self.0
-        }
     }
 
     #[cfg(target_arch = "x86_64")]

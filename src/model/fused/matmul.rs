@@ -16,7 +16,7 @@ use burn::backend::{backend_extension, Autodiff, Dispatch, Flex};
 use burn::tensor::{DType, Tensor, TensorData};
 use rayon::prelude::*;
 
-use super::on_flex;
+use super::{gemm_f32, on_flex, positive_strides, SendPtr};
 
 /// Products of at least this many multiply-adds (`m n k`) run on every core: burn's threshold.
 const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
@@ -32,28 +32,6 @@ pub trait BatchedMatmulBackend: burn::backend::Backend {
     /// # Shapes
     /// `lhs`: `[batch, m, k]`, `rhs`: `[batch, k, n]` -> `[batch, m, n]`
     fn batched_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self>;
-}
-
-/// `tensor`, copied to a contiguous layout if a stride is negative (a flipped view).
-fn positive_strides(tensor: FlexTensor) -> FlexTensor {
-    if tensor.layout().has_positive_strides() {
-        tensor
-    } else {
-        tensor.to_contiguous()
-    }
-}
-
-/// A raw output pointer handed to rayon tasks that write disjoint matrices.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: the tasks sharing it write disjoint parts of one live buffer.
-unsafe impl Send for SendPtr {}
-// SAFETY: as above.
-unsafe impl Sync for SendPtr {}
-impl SendPtr {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
 }
 
 /// `lhs[b] rhs[b]` into a new row-major `[batch, m, n]` tensor.
@@ -76,25 +54,15 @@ fn product(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
         // full without being read (`read_dst` false, k > 0); the operands' strides address only
         // their own storage (valid burn layouts of these shapes, non-negative strides).
         unsafe {
-            gemm::gemm(
-                m,
-                n,
-                k,
+            gemm_f32(
+                [m, n, k],
                 out_ptr.get().add(b * size),
-                1,
                 n as isize,
                 false,
                 lhs_values.as_ptr().add(b * ls[0] as usize),
-                ls[2],
-                ls[1],
+                (ls[1], ls[2]),
                 rhs_values.as_ptr().add(b * rs[0] as usize),
-                rs[2],
-                rs[1],
-                0.0f32,
-                1.0f32,
-                false,
-                false,
-                false,
+                (rs[1], rs[2]),
                 parallelism,
             )
         }

@@ -39,6 +39,75 @@ pub use rope::rope;
 pub use swiglu::swiglu;
 pub use token_logprob::{logsumexp, token_logprobs};
 
+/// `tensor`, copied to a contiguous layout if a stride is negative (a flipped view), so that
+/// its values run forward from its start offset.
+fn positive_strides(tensor: FlexTensor) -> FlexTensor {
+    if tensor.layout().has_positive_strides() {
+        tensor
+    } else {
+        tensor.to_contiguous()
+    }
+}
+
+/// `dst = lhs rhs`, or `dst += lhs rhs` when `accumulate`, for f32 matrices through the GEMM
+/// (`m x k` times `k x n`); strides are (row, column) in elements, the destination's columns
+/// contiguous.
+///
+/// # Safety
+/// `dst` must have room for `m` rows of `n` values `dst_row` apart, which the call writes (and
+/// reads when `accumulate`); `lhs` and `rhs` must address valid values at every stride the
+/// shapes reach, and not overlap `dst`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32(
+    [m, n, k]: [usize; 3],
+    dst: *mut f32,
+    dst_row: isize,
+    accumulate: bool,
+    lhs: *const f32,
+    (lhs_row, lhs_col): (isize, isize),
+    rhs: *const f32,
+    (rhs_row, rhs_col): (isize, isize),
+    parallelism: gemm::Parallelism,
+) {
+    // SAFETY: as the caller promises.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_row,
+            accumulate,
+            lhs,
+            lhs_col,
+            lhs_row,
+            rhs,
+            rhs_col,
+            rhs_row,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// A raw output pointer handed to rayon tasks that write disjoint parts of one buffer.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: the tasks sharing it write disjoint parts of one live buffer.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// Rows handed to one rayon task: enough work to pay for the hand-off.
 const MIN_PARALLEL_ELEMENTS: usize = 1 << 14;
 

@@ -35,6 +35,13 @@ pub trait TokenLogprobBackend: burn::backend::Backend {
     fn token_logprobs(logits: FloatTensor<Self>, targets: Targets) -> FloatTensor<Self>;
 }
 
+/// `log sum e^values`, as the scorer computes it: the maximum, then the vectorized `exp` of the
+/// shifted values summed in lanes.
+pub fn log_sum_exp(values: &[f32]) -> f32 {
+    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    max + exp_shifted_sum(values, max, None).ln()
+}
+
 /// Each row's log-sum-exp and its target's log-probability.
 fn forward(logits: &Rows<'_>, targets: &[u32]) -> (Vec<f32>, Vec<f32>) {
     (0..logits.rows)
@@ -42,8 +49,7 @@ fn forward(logits: &Rows<'_>, targets: &[u32]) -> (Vec<f32>, Vec<f32>) {
         .with_min_len(rows_per_task(logits.width))
         .map(|r| {
             let row = logits.row(r);
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let lse = max + exp_shifted_sum(row, max, None).ln();
+            let lse = log_sum_exp(row);
             (lse, row[targets[r] as usize] - lse)
         })
         .unzip()
@@ -147,11 +153,7 @@ fn row_lse(logits: &Rows<'_>) -> Vec<f32> {
     (0..logits.rows)
         .into_par_iter()
         .with_min_len(rows_per_task(logits.width))
-        .map(|r| {
-            let row = logits.row(r);
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            max + exp_shifted_sum(row, max, None).ln()
-        })
+        .map(|r| log_sum_exp(logits.row(r)))
         .collect()
 }
 
