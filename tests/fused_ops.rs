@@ -342,8 +342,13 @@ fn batched_matmul_equals_burn_matmul_bit_for_bit() {
         Tensor::<3>::from_data(TensorData::new(values, dims), &device)
     };
     // One small product (serial), a batch of small ones (parallel over the batch), one large
-    // (parallel inside the GEMM); the right operand as a transposed view, as LoRA passes it.
-    for (batch, m, k, n) in [(1, 9, 7, 5), (6, 65, 96, 8), (1, 300, 256, 260)] {
+    // (parallel inside the GEMM), and LoRA's tall thin products (their rows split between up to
+    // three tasks, in the forward and both gradients, a gradient over a depth of 2000); the right
+    // operand as a transposed view, as LoRA passes it.
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a thread pool");
+    for (batch, m, k, n) in
+        [(1, 9, 7, 5), (6, 65, 96, 8), (1, 300, 256, 260), (1, 4100, 128, 8), (1, 2000, 260, 8), (1, 1000, 131, 9)]
+    {
         let lhs = three(&mut rng, [batch, m, k]);
         let rhs_stored = three(&mut rng, [batch, n, k]);
         let out_grad = three(&mut rng, [batch, m, n]);
@@ -357,6 +362,6 @@ fn batched_matmul_equals_burn_matmul_bit_for_bit() {
                 |t: Tensor<3>| t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
             [flat(out), flat(lhs.grad(&grads).expect("d lhs")), flat(stored.grad(&grads).expect("d rhs"))]
         };
-        assert_eq!(run(true), run(false), "{batch} x {m}x{k}x{n}");
+        assert_eq!(pool.install(|| run(true)), run(false), "{batch} x {m}x{k}x{n}");
     }
 }

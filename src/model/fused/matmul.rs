@@ -23,6 +23,16 @@ const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
 /// Batches of smaller products with at least this much work in all run their matrices in
 /// parallel: burn's threshold.
 const BATCH_PARALLEL_THRESHOLD: usize = 128 * 128 * 128;
+/// A matrix below burn's threshold but with at least this many multiply-adds has its rows split
+/// between the cores (a LoRA factor's product over a whole batch of tokens: `[tokens, in]` by
+/// `[in, r]`, which burn runs on one core).
+const ROW_SPLIT_THRESHOLD: usize = 1 << 20;
+/// The fewest rows one task of a row split takes. Above 64, so that no part falls to the
+/// GEMM's path for products of at most 64 x 64 values, which blocks the depth differently.
+const ROW_SPLIT_MIN_ROWS: usize = 128;
+/// The most output values a GEMM call takes the GEMM's small-product path for (a different
+/// summation order): a row split keeps every part above it, so values stay bit for bit.
+const SMALL_PRODUCT_VALUES: usize = 16 * 16;
 
 /// The batched product, as a burn backend extension.
 #[backend_extension(Autodiff, Flex)]
@@ -49,17 +59,19 @@ fn product(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
         return FlexTensor::from_data(TensorData::new(out, [batch, m, n]));
     }
     let out_ptr = SendPtr(out.as_mut_ptr());
-    let run = |b: usize, parallelism: gemm::Parallelism| {
-        // SAFETY: matrix b of the output (m x n, row-major) has room in `out` and is written in
-        // full without being read (`read_dst` false, k > 0); the operands' strides address only
-        // their own storage (valid burn layouts of these shapes, non-negative strides).
+    // Rows `rows` of matrix b.
+    let run_rows = |b: usize, rows: std::ops::Range<usize>, parallelism: gemm::Parallelism| {
+        // SAFETY: rows `rows` of matrix b of the output (m x n, row-major) have room in `out`
+        // and are written in full without being read (`read_dst` false, k > 0); the operands'
+        // strides address only their own storage (valid burn layouts of these shapes,
+        // non-negative strides), and `rows` lies within the m rows.
         unsafe {
             gemm_f32(
-                [m, n, k],
-                out_ptr.get().add(b * size),
+                [rows.len(), n, k],
+                out_ptr.get().add(b * size + rows.start * n),
                 n as isize,
                 false,
-                lhs_values.as_ptr().add(b * ls[0] as usize),
+                lhs_values.as_ptr().add(b * ls[0] as usize + rows.start * ls[1] as usize),
                 (ls[1], ls[2]),
                 rhs_values.as_ptr().add(b * rs[0] as usize),
                 (rs[1], rs[2]),
@@ -67,13 +79,23 @@ fn product(lhs: &FlexTensor, rhs: &FlexTensor) -> FlexTensor {
             )
         }
     };
+    let run = |b: usize, parallelism: gemm::Parallelism| run_rows(b, 0..m, parallelism);
     let per_matrix = m.saturating_mul(n).saturating_mul(k);
     let total = batch.saturating_mul(per_matrix);
     let batch_parallel = batch >= 4 && total >= BATCH_PARALLEL_THRESHOLD;
+    // A row split into `parts` near-equal parts of at least ROW_SPLIT_MIN_ROWS rows: the GEMM
+    // then blocks the depth by k alone, so each value is summed as in one call.
+    let parts = rayon::current_num_threads().min(m / ROW_SPLIT_MIN_ROWS);
+    let row_split = per_matrix >= ROW_SPLIT_THRESHOLD && parts > 1 && n >= 2 && (m / parts) * n > SMALL_PRODUCT_VALUES;
     if per_matrix >= PARALLEL_THRESHOLD && !batch_parallel {
         (0..batch).for_each(|b| run(b, gemm::Parallelism::Rayon(0)));
     } else if total >= BATCH_PARALLEL_THRESHOLD && batch > 1 {
         (0..batch).into_par_iter().for_each(|b| run(b, gemm::Parallelism::None));
+    } else if row_split {
+        (0..batch * parts).into_par_iter().for_each(|task| {
+            let (b, part) = (task / parts, task % parts);
+            run_rows(b, part * m / parts..(part + 1) * m / parts, gemm::Parallelism::None)
+        });
     } else {
         (0..batch).for_each(|b| run(b, gemm::Parallelism::None));
     }
