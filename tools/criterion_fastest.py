@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Tokens per second of troupe's criterion benchmarks, read from criterion's saved samples.
+
+Usage: criterion_fastest.py [TARGET_CRITERION_DIR]   (default: target/criterion)
+
+Run after `cargo bench --bench model -- small` and
+`cargo bench --bench adapters -- "lora_train_step|mixed32x64_forward/"`. For each benchmark that
+`tools/peer_bench.py` also measures, prints two figures:
+- the fastest sample, the estimator `peer_bench.py` reports (the fastest of its repetitions);
+- criterion's mean.
+Also prints the mixed-adapter forward's time at K = 2, 4, 8 adapters relative to K = 1, from the
+means. Reads only the files criterion writes; measures nothing itself.
+"""
+import json
+import os
+import sys
+
+# benchmark id -> tokens per iteration (the same workloads as peer_bench.py)
+TOKENS = {
+    "prefill_small/b1x128": 128,
+    "prefill_small/b16x128": 16 * 128,
+    "decode_small/b1": 64,
+    "decode_small/b16": 16 * 64,
+    "lora_train_step/b8x128": 8 * 128,
+}
+
+
+def load(root, bench, name):
+    with open(os.path.join(root, bench, "new", name)) as f:
+        return json.load(f)
+
+
+def main():
+    root = sys.argv[1] if len(sys.argv) > 1 else "target/criterion"
+    if not os.path.isdir(root):
+        sys.exit(f"error: {root}: no criterion results (run the benches first)")
+    for bench, tokens in TOKENS.items():
+        if not os.path.exists(os.path.join(root, bench, "new", "sample.json")):
+            print(f"{bench:26s} not run")
+            continue
+        sample = load(root, bench, "sample.json")
+        per_iter_ns = [t / n for t, n in zip(sample["times"], sample["iters"])]
+        mean_ns = load(root, bench, "estimates.json")["mean"]["point_estimate"]
+        print(f"{bench:26s} fastest {tokens / min(per_iter_ns) * 1e9:8.1f} tok/s"
+              f"   mean {tokens / mean_ns * 1e9:8.1f} tok/s")
+    base = os.path.join(root, "mixed32x64_forward", "one_pass", "K1")
+    if os.path.isdir(base):
+        k1 = load(root, "mixed32x64_forward/one_pass/K1", "estimates.json")["mean"]["point_estimate"]
+        for k in (2, 4, 8):
+            bench = f"mixed32x64_forward/one_pass/K{k}"
+            if os.path.isdir(os.path.join(root, bench)):
+                kt = load(root, bench, "estimates.json")["mean"]["point_estimate"]
+                print(f"mixed32x64 K{k} / K1 time (means) {kt / k1:.3f}")
+
+
+if __name__ == "__main__":
+    main()
