@@ -341,14 +341,21 @@ fn batched_matmul_equals_burn_matmul_bit_for_bit() {
         let values: Vec<f32> = (0..dims.iter().product()).map(|_| rng.random_range(-1.0f32..1.0)).collect();
         Tensor::<3>::from_data(TensorData::new(values, dims), &device)
     };
-    // One small product (serial), a batch of small ones (parallel over the batch), one large
-    // (parallel inside the GEMM), and LoRA's tall thin products (their rows split between up to
-    // three tasks, in the forward and both gradients, a gradient over a depth of 2000); the right
-    // operand as a transposed view, as LoRA passes it.
+    // One small product (serial), a batch of small ones (serial: too little work in all), a
+    // batch of larger ones (parallel over the batch), one large (parallel inside the GEMM), and
+    // LoRA's tall thin products (rows split between up to three tasks: the forward and `d lhs`
+    // of all three, `d rhs` of the last two, over depths 2000 and 1500); the right operand as a
+    // transposed view, as LoRA passes it.
     let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a thread pool");
-    for (batch, m, k, n) in
-        [(1, 9, 7, 5), (6, 65, 96, 8), (1, 300, 256, 260), (1, 4100, 128, 8), (1, 2000, 260, 8), (1, 1000, 131, 9)]
-    {
+    for (batch, m, k, n) in [
+        (1, 9, 7, 5),
+        (6, 65, 96, 8),
+        (8, 128, 128, 128),
+        (1, 300, 256, 260),
+        (1, 4100, 128, 8),
+        (1, 2000, 260, 8),
+        (1, 1500, 400, 8),
+    ] {
         let lhs = three(&mut rng, [batch, m, k]);
         let rhs_stored = three(&mut rng, [batch, n, k]);
         let out_grad = three(&mut rng, [batch, m, n]);

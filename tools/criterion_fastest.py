@@ -9,7 +9,8 @@ Run after `cargo bench --bench model -- small` and
 - the fastest sample, the estimator `peer_bench.py` reports (the fastest of its repetitions);
 - criterion's mean.
 Also prints the mixed-adapter forward's time at K = 2, 4, 8 adapters relative to K = 1, from the
-means. Reads only the files criterion writes; measures nothing itself.
+means. Reads only the files criterion writes (each benchmark's latest run, `new/`); measures
+nothing itself.
 """
 import json
 import os
@@ -43,14 +44,15 @@ def main():
         mean_ns = load(root, bench, "estimates.json")["mean"]["point_estimate"]
         print(f"{bench:26s} fastest {tokens / min(per_iter_ns) * 1e9:8.1f} tok/s"
               f"   mean {tokens / mean_ns * 1e9:8.1f} tok/s")
-    base = os.path.join(root, "mixed32x64_forward", "one_pass", "K1")
-    if os.path.isdir(base):
-        k1 = load(root, "mixed32x64_forward/one_pass/K1", "estimates.json")["mean"]["point_estimate"]
-        for k in (2, 4, 8):
-            bench = f"mixed32x64_forward/one_pass/K{k}"
-            if os.path.isdir(os.path.join(root, bench)):
-                kt = load(root, bench, "estimates.json")["mean"]["point_estimate"]
-                print(f"mixed32x64 K{k} / K1 time (means) {kt / k1:.3f}")
+    def mean_of(bench):
+        path = os.path.join(root, bench, "new", "estimates.json")
+        return load(root, bench, "estimates.json")["mean"]["point_estimate"] if os.path.exists(path) else None
+
+    k1 = mean_of("mixed32x64_forward/one_pass/K1")
+    for k in (2, 4, 8):
+        kt = mean_of(f"mixed32x64_forward/one_pass/K{k}")
+        if k1 and kt:
+            print(f"mixed32x64 K{k} / K1 time (means) {kt / k1:.3f}")
 
 
 if __name__ == "__main__":
