@@ -19,6 +19,12 @@ fn values(t: Tensor<2>) -> Vec<f32> {
     t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32")
 }
 
+/// The largest `|got - want| / max(|want|, 1)` over the pairs.
+fn worst_relative_error(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter().zip(want).map(|(a, b)| (a - b).abs() / b.abs().max(1.0)).fold(0.0f32, f32::max)
+}
+
 #[test]
 fn dense_linear_equals_burn_matmul_bit_for_bit() {
     let device = Device::flex();
@@ -250,7 +256,7 @@ fn attention_matches_burns_masked_attention() {
         };
         let (fused, burn) = (run(true), run(false));
         for (what, (got, want)) in ["values", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&burn)) {
-            let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs() / b.abs().max(1.0)).fold(0.0f32, f32::max);
+            let worst = worst_relative_error(got, want);
             assert!(worst < 2e-5, "{what} ({batch} x {heads}/{kv_heads} x {seq} + {past}): {worst}");
             assert!(got.iter().all(|x| x.is_finite()), "{what}: finite");
         }
@@ -296,8 +302,7 @@ fn rms_norm_matches_the_composite() {
     };
     let (fused, composite) = (run(true), run(false));
     for (what, (got, want)) in ["values", "dx", "dw"].iter().zip(fused.iter().zip(&composite)) {
-        assert_eq!(got.len(), want.len());
-        let worst = got.iter().zip(want).map(|(a, b)| (a - b).abs() / b.abs().max(1.0)).fold(0.0f32, f32::max);
+        let worst = worst_relative_error(got, want);
         assert!(worst < 1e-5, "{what}: {worst}");
     }
 }
