@@ -1,6 +1,7 @@
 //! The fused CPU kernels (`troupe::model::fused`) against the burn compositions they replace:
 //! the frozen projection (past decoding's few rows) and the rotary embedding equal burn's bit for
-//! bit, values and gradients; the few-row products match an f64 sum, and the SwiGLU gate, the
+//! bit, values and gradients, and the SwiGLU gate on a stacked projection equals the gate on its
+//! narrowed halves plus their deltas bit for bit; the few-row products match an f64 sum, and the SwiGLU gate, the
 //! RMS norm, the attention, the token log-probability and the log-sum-exp match burn's
 //! composites within float rounding.
 
@@ -8,7 +9,7 @@ use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use troupe::model::fused::{dense_linear, rope, swiglu, token_logprobs};
+use troupe::model::fused::{dense_linear, rope, swiglu, swiglu_stacked, token_logprobs};
 
 fn random(rng: &mut ChaCha8Rng, dims: [usize; 2], scale: f32, device: &Device) -> Tensor<2> {
     let values: Vec<f32> = (0..dims[0] * dims[1]).map(|_| rng.random_range(-scale..scale)).collect();
@@ -126,6 +127,53 @@ fn swiglu_matches_silu_times_up() {
         let up = up.clone().narrow(0, 0, gate.dims()[0]);
         close(&values(swiglu(gate.clone(), up.clone())), &values(silu(gate) * up), "values without autodiff");
     }
+}
+
+#[test]
+fn swiglu_stacked_equals_swiglu_on_narrowed_halves_bit_for_bit() {
+    let device = Device::flex().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    // Enough rows for several parallel tasks; the stacked output also as a strided view.
+    let (rows, width) = (400, 96);
+    let stacked = random(&mut rng, [rows, 2 * width], 4.0, &device);
+    let strided = random(&mut rng, [2 * width, rows], 4.0, &device);
+    let (delta_gate, delta_up) =
+        (random(&mut rng, [rows, width], 1.0, &device), random(&mut rng, [rows, width], 1.0, &device));
+    let out_grad = random(&mut rng, [rows, width], 1.0, &device);
+    let leaf = |t: &Tensor<2>| Tensor::<2>::from_data(t.to_data(), &device).require_grad();
+    for (gate_on, up_on) in [(true, true), (false, false), (true, false)] {
+        for transposed in [false, true] {
+            let run = |fused: bool| {
+                let stacked = if transposed { leaf(&strided) } else { leaf(&stacked) };
+                let gate_up = if transposed { stacked.clone().transpose() } else { stacked.clone() };
+                let (dg, du) = (leaf(&delta_gate), leaf(&delta_up));
+                let (dg_in, du_in) = (gate_on.then(|| dg.clone()), up_on.then(|| du.clone()));
+                let out = if fused {
+                    swiglu_stacked(gate_up, dg_in, du_in)
+                } else {
+                    let gate = gate_up.clone().narrow(1, 0, width);
+                    let up = gate_up.narrow(1, width, width);
+                    let gate = dg_in.map_or(gate.clone(), |d| gate + d);
+                    let up = du_in.map_or(up.clone(), |d| up + d);
+                    swiglu(gate, up)
+                };
+                let grads = (out.clone() * out_grad.clone()).sum().backward();
+                let grad = |t: &Tensor<2>| t.grad(&grads).map(values);
+                (values(out), grad(&stacked), grad(&dg), grad(&du))
+            };
+            let what = format!("deltas ({gate_on}, {up_on}), transposed {transposed}");
+            let (fused, composite) = (run(true), run(false));
+            assert_eq!(fused.0, composite.0, "values, {what}");
+            assert_eq!(fused.1, composite.1, "gradient of the stacked output, {what}");
+            assert_eq!(fused.2, composite.2, "gradient of the gate's delta, {what}");
+            assert_eq!(fused.3, composite.3, "gradient of up's delta, {what}");
+            assert!(fused.1.is_some() && fused.2.is_some() == gate_on && fused.3.is_some() == up_on, "{what}");
+        }
+    }
+    // Without autodiff.
+    let plain = stacked.without_autodiff();
+    let (gate, up) = (plain.clone().narrow(1, 0, width), plain.clone().narrow(1, width, width));
+    assert_eq!(values(swiglu_stacked(plain, None, None)), values(swiglu(gate, up)), "values without autodiff");
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 use super::config::{ModelConfig, ModelType};
-use super::fused::{attention, swiglu, HostMask};
+use super::fused::{attention, swiglu_stacked, HostMask};
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
 use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
 use super::weights::WeightSource;
@@ -442,11 +442,10 @@ impl Mlp {
     /// # Shapes
     /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`
     fn forward(&self, x: Tensor<3>, layer: usize, delta: Option<&dyn ProjectionDelta>) -> Tensor<3> {
-        let width = self.gate_up_proj.dims()[0] / 2;
-        let parts = [(Projection::Gate, width), (Projection::Up, width)];
-        let mut gate_up = split_project(self.gate_up_proj.forward(x.clone()), &x, &parts, layer, delta).into_iter();
-        let (gate, up) = (gate_up.next().expect("gate"), gate_up.next().expect("up"));
-        project(&self.down_proj, swiglu(gate, up), layer, Projection::Down, delta)
+        let gate_up = self.gate_up_proj.forward(x.clone());
+        let delta_gate = delta.and_then(|d| d.delta(layer, Projection::Gate, &x));
+        let delta_up = delta.and_then(|d| d.delta(layer, Projection::Up, &x));
+        project(&self.down_proj, swiglu_stacked(gate_up, delta_gate, delta_up), layer, Projection::Down, delta)
     }
 }
 

@@ -8,7 +8,8 @@
 //! - [`batched_matmul`]: a product differentiable in both operands (the LoRA factors'), the
 //!   same GEMM calls as burn's matmul written once.
 //! - [`rope`]: the rotary embedding, bit for bit burn's composite.
-//! - [`swiglu`]: the MLP's `silu(gate) * up` on the vectorized `exp` ([`vexp`]).
+//! - [`swiglu`]: the MLP's `silu(gate) * up` on the vectorized `exp` ([`vexp`]);
+//!   [`swiglu_stacked`] reads both from the stacked gate/up projection, adapter deltas added.
 //! - [`token_logprobs`]: `log softmax(logits)[target]` per row, the scorer's inner step, with a
 //!   vectorized `exp` ([`vexp`]): no vocabulary-wide temporaries beside the logits themselves.
 //! - [`logsumexp`]: each row's log-sum-exp (the choice scorer's normaliser), the same way.
@@ -36,7 +37,7 @@ pub use linear::dense_linear;
 pub use matmul::batched_matmul;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
-pub use swiglu::swiglu;
+pub use swiglu::{swiglu, swiglu_stacked};
 pub use token_logprob::{logsumexp, token_logprobs};
 
 /// `tensor`, copied to a contiguous layout if a stride is negative (a flipped view), so that

@@ -15,7 +15,7 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Autodiff, Dispatch, Flex};
 use burn::tensor::activation::silu;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::vexp::exp_in_place;
@@ -27,6 +27,29 @@ fn exp_negated(gate: &[f32], out: &mut [f32]) {
         *o = -g;
     }
     exp_in_place(out);
+}
+
+/// `out = silu(gate) * up` for one row.
+fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    exp_negated(gate, out);
+    for ((o, &gv), &uv) in out.iter_mut().zip(gate).zip(up) {
+        *o = (gv / (1.0 + *o)) * uv;
+    }
+}
+
+/// One row's gradients: `d_gate` and `d_up` from the output's gradient `d_out`.
+fn swiglu_row_backward(gate: &[f32], up: &[f32], d_out: &[f32], d_gate: &mut [f32], d_up: &mut [f32]) {
+    exp_negated(gate, d_gate);
+    for j in 0..gate.len() {
+        let (gv, uv, dv) = (gate[j], up[j], d_out[j]);
+        let s = 1.0 / (1.0 + d_gate[j]);
+        // out = silu * up, with silu = g * s.
+        let d_silu = dv * uv;
+        d_up[j] = dv * (gv * s);
+        // silu = g * s: the gate directly, and through the sigmoid.
+        let d_s = d_silu * gv;
+        d_gate[j] = d_silu * s + d_s * s * (1.0 - s);
+    }
 }
 
 /// The fused SwiGLU gate, as a burn backend extension.
@@ -45,13 +68,7 @@ impl SwiGluBackend for Flex {
         let values = with_rows(&gate, |g: &Rows<'_>| {
             with_rows(&up, |u: &Rows<'_>| {
                 let mut out = vec![0.0f32; g.rows * g.width];
-                par_rows(&mut out, g.width, |r, row| {
-                    let (g_row, u_row) = (g.row(r), u.row(r));
-                    exp_negated(g_row, row);
-                    for ((o, &gv), &uv) in row.iter_mut().zip(g_row).zip(u_row) {
-                        *o = (gv / (1.0 + *o)) * uv;
-                    }
-                });
+                par_rows(&mut out, g.width, |r, row| swiglu_row(g.row(r), u.row(r), row));
                 out
             })
         });
@@ -84,18 +101,8 @@ impl Backward<Flex, 2> for SwiGluBackward {
                             let first = task * rows_per_task(width);
                             let rows = dg_chunk.chunks_exact_mut(width).zip(du_chunk.chunks_exact_mut(width));
                             for (i, (dg_row, du_row)) in rows.enumerate() {
-                                let (g_row, u_row, d_row) = (g.row(first + i), u.row(first + i), d.row(first + i));
-                                exp_negated(g_row, dg_row);
-                                for j in 0..width {
-                                    let (gv, uv, dv) = (g_row[j], u_row[j], d_row[j]);
-                                    let s = 1.0 / (1.0 + dg_row[j]);
-                                    // out = silu * up, with silu = g * s.
-                                    let d_silu = dv * uv;
-                                    du_row[j] = dv * (gv * s);
-                                    // silu = g * s: the gate directly, and through the sigmoid.
-                                    let d_s = d_silu * gv;
-                                    dg_row[j] = d_silu * s + d_s * s * (1.0 - s);
-                                }
+                                let r = first + i;
+                                swiglu_row_backward(g.row(r), u.row(r), d.row(r), dg_row, du_row);
                             }
                         },
                     );
@@ -136,4 +143,289 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
         return silu(gate) * up;
     }
     Tensor::from_dispatch(<Dispatch as SwiGluBackend>::swiglu(gate.into_dispatch(), up.into_dispatch()))
+}
+
+/// The inputs of one stacked call: the stacked gate/up projection's output and, when adapters
+/// apply, their deltas to the gate and to `up`.
+#[derive(Clone, Debug)]
+struct StackedInputs {
+    gate_up: FlexTensor,
+    deltas: Option<(FlexTensor, FlexTensor)>,
+}
+
+/// [`StackedInputs`] seen as rows: the stacked output's, and the deltas' when present.
+struct StackedRows<'a> {
+    gate_up: &'a Rows<'a>,
+    deltas: Option<(&'a Rows<'a>, &'a Rows<'a>)>,
+}
+
+impl StackedInputs {
+    /// Runs `f` over the inputs as rows (each copied first if its layout is not rows).
+    fn with_rows<R>(&self, f: impl FnOnce(&StackedRows<'_>) -> R) -> R {
+        with_rows(&self.gate_up, |gate_up: &Rows<'_>| match &self.deltas {
+            None => f(&StackedRows { gate_up, deltas: None }),
+            Some((gate, up)) => with_rows(gate, |gate: &Rows<'_>| {
+                with_rows(up, |up: &Rows<'_>| f(&StackedRows { gate_up, deltas: Some((gate, up)) }))
+            }),
+        })
+    }
+
+    /// The shape of the output (and of each delta): the stacked shape, half as wide.
+    fn half_shape(&self) -> Vec<usize> {
+        let mut shape = self.gate_up.layout().shape().as_slice().to_vec();
+        if let Some(last) = shape.last_mut() {
+            *last /= 2;
+        }
+        shape
+    }
+}
+
+impl StackedRows<'_> {
+    /// The gate's (and `up`'s) width.
+    fn width(&self) -> usize {
+        self.gate_up.width / 2
+    }
+
+    /// Row `r`'s gate and `up` into `gate` and `up`: the stacked output's halves, plus the
+    /// deltas when present (the same sums as adding the deltas to the narrowed halves).
+    fn gate_up_row(&self, r: usize, gate: &mut [f32], up: &mut [f32]) {
+        let (row, width) = (self.gate_up.row(r), self.width());
+        let (stacked_gate, stacked_up) = row.split_at(width);
+        match self.deltas {
+            None => {
+                gate.copy_from_slice(stacked_gate);
+                up.copy_from_slice(stacked_up);
+            }
+            Some((delta_gate, delta_up)) => {
+                for ((g, &s), &d) in gate.iter_mut().zip(stacked_gate).zip(delta_gate.row(r)) {
+                    *g = s + d;
+                }
+                for ((u, &s), &d) in up.iter_mut().zip(stacked_up).zip(delta_up.row(r)) {
+                    *u = s + d;
+                }
+            }
+        }
+    }
+
+    /// `silu(gate) * up` for every row: `[rows, width]`.
+    fn forward(&self) -> Vec<f32> {
+        let width = self.width();
+        let per_task = rows_per_task(width);
+        let mut out = vec![0.0f32; self.gate_up.rows * width];
+        out.par_chunks_mut(width * per_task).enumerate().for_each_init(
+            || vec![0.0f32; 2 * width],
+            |scratch, (task, chunk)| {
+                let (gate, up) = scratch.split_at_mut(width);
+                for (i, row) in chunk.chunks_exact_mut(width).enumerate() {
+                    self.gate_up_row(task * per_task + i, gate, up);
+                    swiglu_row(gate, up, row);
+                }
+            },
+        );
+        out
+    }
+
+    /// The gradient of the stacked output, `[rows, 2 width]` (the gate's, then `up`'s), from
+    /// the output's gradient `d_out`; it is also each delta's (that half of it).
+    fn backward(&self, d_out: &Rows<'_>) -> Vec<f32> {
+        let width = self.width();
+        let per_task = rows_per_task(2 * width);
+        let mut d_stacked = vec![0.0f32; self.gate_up.rows * 2 * width];
+        d_stacked.par_chunks_mut(2 * width * per_task).enumerate().for_each_init(
+            || vec![0.0f32; 2 * width],
+            |scratch, (task, chunk)| {
+                let (gate, up) = scratch.split_at_mut(width);
+                for (i, d_row) in chunk.chunks_exact_mut(2 * width).enumerate() {
+                    let r = task * per_task + i;
+                    self.gate_up_row(r, gate, up);
+                    let (d_gate, d_up) = d_row.split_at_mut(width);
+                    swiglu_row_backward(gate, up, d_out.row(r), d_gate, d_up);
+                }
+            },
+        );
+        d_stacked
+    }
+}
+
+/// Half of each row of `stacked` (`[rows, 2 width]`): the first half, or the second.
+fn half(stacked: &[f32], width: usize, second: bool) -> Vec<f32> {
+    let start = if second { width } else { 0 };
+    stacked.chunks_exact(2 * width).flat_map(|row| &row[start..start + width]).copied().collect()
+}
+
+/// The SwiGLU gate on a stacked gate/up projection, as a burn backend extension: the gate and
+/// `up` are read from their halves of the stacked output, so the backward writes one stacked
+/// gradient (burn's `narrow` would zero a stacked-width gradient per half and add them).
+#[backend_extension(Autodiff, Flex)]
+pub trait StackedSwiGluBackend: burn::backend::Backend {
+    /// `silu(gate) * up` with `[gate, up] = gate_up` along the last dimension.
+    ///
+    /// # Shapes
+    /// `gate_up`: `[..., 2 width]` -> `[..., width]`
+    fn swiglu_stacked(gate_up: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `silu(gate + delta_gate) * (up + delta_up)` with `[gate, up] = gate_up`.
+    ///
+    /// # Shapes
+    /// `gate_up`: `[..., 2 width]`, `delta_gate`, `delta_up`: `[..., width]` -> `[..., width]`
+    fn swiglu_stacked_delta(
+        gate_up: FloatTensor<Self>,
+        delta_gate: FloatTensor<Self>,
+        delta_up: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+}
+
+/// The forward of either stacked call, as a tensor.
+fn stacked_forward(inputs: &StackedInputs) -> FlexTensor {
+    let out = inputs.with_rows(|rows| rows.forward());
+    FlexTensor::from_data(TensorData::new(out, inputs.half_shape()))
+}
+
+impl StackedSwiGluBackend for Flex {
+    fn swiglu_stacked(gate_up: FlexTensor) -> FlexTensor {
+        stacked_forward(&StackedInputs { gate_up, deltas: None })
+    }
+
+    fn swiglu_stacked_delta(gate_up: FlexTensor, delta_gate: FlexTensor, delta_up: FlexTensor) -> FlexTensor {
+        stacked_forward(&StackedInputs { gate_up, deltas: Some((delta_gate, delta_up)) })
+    }
+}
+
+/// The stacked gradient of a stacked call, from its output's gradient `grad`.
+fn stacked_backward(inputs: &StackedInputs, grad: &FlexTensor) -> Vec<f32> {
+    inputs.with_rows(|rows| with_rows(grad, |d_out: &Rows<'_>| rows.backward(d_out)))
+}
+
+/// The backward of [`StackedSwiGluBackend::swiglu_stacked`].
+#[derive(Debug)]
+struct StackedSwiGluBackward;
+
+impl Backward<Flex, 1> for StackedSwiGluBackward {
+    type State = StackedInputs;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_gate_up] = ops.parents;
+        let grad = grads.consume::<Flex>(&ops.node);
+        if let Some(node) = node_gate_up {
+            let shape = ops.state.gate_up.layout().shape().as_slice().to_vec();
+            let d_stacked = stacked_backward(&ops.state, &grad);
+            grads.register::<Flex>(node.id, FlexTensor::from_data(TensorData::new(d_stacked, shape)));
+        }
+    }
+}
+
+/// The backward of [`StackedSwiGluBackend::swiglu_stacked_delta`].
+#[derive(Debug)]
+struct StackedSwiGluDeltaBackward;
+
+impl Backward<Flex, 3> for StackedSwiGluDeltaBackward {
+    type State = StackedInputs;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_gate, node_gate_up, node_up] = ops.parents;
+        let grad = grads.consume::<Flex>(&ops.node);
+        let inputs = ops.state;
+        let d_stacked = stacked_backward(&inputs, &grad);
+        let half_shape = inputs.half_shape();
+        let width = half_shape.last().copied().unwrap_or(0);
+        for (node, second) in [(node_gate, false), (node_up, true)] {
+            if let Some(node) = node {
+                let values = half(&d_stacked, width, second);
+                grads.register::<Flex>(node.id, FlexTensor::from_data(TensorData::new(values, half_shape.clone())));
+            }
+        }
+        if let Some(node) = node_gate_up {
+            let shape = inputs.gate_up.layout().shape().as_slice().to_vec();
+            grads.register::<Flex>(node.id, FlexTensor::from_data(TensorData::new(d_stacked, shape)));
+        }
+    }
+}
+
+impl<C: CheckpointStrategy> StackedSwiGluBackend for Autodiff<Flex, C> {
+    fn swiglu_stacked(gate_up: FloatTensor<Self>) -> FloatTensor<Self> {
+        match StackedSwiGluBackward.prepare::<C>([gate_up.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let inputs = StackedInputs { gate_up: gate_up.primitive().clone(), deltas: None };
+                let out = stacked_forward(&inputs);
+                prep.finish(inputs, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::swiglu_stacked(gate_up.into_primitive())),
+        }
+    }
+
+    fn swiglu_stacked_delta(
+        gate_up: FloatTensor<Self>,
+        delta_gate: FloatTensor<Self>,
+        delta_up: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        // burn runs the backward steps of one graph depth in the order of its depth-first walk
+        // from the loss, which takes a node's last parent first. With the stacked output between
+        // the deltas, the walk meets the three products that feed the input's gradient (`up`'s
+        // delta, the stacked projection, the gate's delta) in the order it met them when the
+        // halves were narrowed and added to their deltas, so the input's gradient sums them in
+        // the same order, bit for bit.
+        let parents = [delta_gate.node(), gate_up.node(), delta_up.node()];
+        match StackedSwiGluDeltaBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let deltas = Some((delta_gate.primitive().clone(), delta_up.primitive().clone()));
+                let inputs = StackedInputs { gate_up: gate_up.primitive().clone(), deltas };
+                let out = stacked_forward(&inputs);
+                prep.finish(inputs, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(Flex::swiglu_stacked_delta(
+                gate_up.into_primitive(),
+                delta_gate.into_primitive(),
+                delta_up.into_primitive(),
+            )),
+        }
+    }
+}
+
+/// `silu(gate) * up` where `[gate, up]` are the halves of a stacked projection's output along
+/// the last dimension, each plus its adapter delta when given (a missing one counts as zero).
+/// Fused on the CPU (the same values as [`swiglu`] on the narrowed halves plus their deltas);
+/// burn's composite elsewhere.
+///
+/// # Shapes
+/// `gate_up`: `[..., 2 width]`, `delta_gate`, `delta_up`: `[..., width]` -> `[..., width]`
+pub fn swiglu_stacked<const D: usize>(
+    gate_up: Tensor<D>,
+    delta_gate: Option<Tensor<D>>,
+    delta_up: Option<Tensor<D>>,
+) -> Tensor<D> {
+    let mut half_dims = gate_up.dims();
+    half_dims[D - 1] /= 2;
+    let width = half_dims[D - 1];
+    let fits = |t: &Option<Tensor<D>>| t.as_ref().is_none_or(|t| t.dims() == half_dims && t.dtype() == DType::F32);
+    let fused = on_flex(&gate_up)
+        && gate_up.dtype() == DType::F32
+        && gate_up.dims()[D - 1] == 2 * width
+        && fits(&delta_gate)
+        && fits(&delta_up);
+    if !fused {
+        let gate = gate_up.clone().narrow(D - 1, 0, width);
+        let up = gate_up.narrow(D - 1, width, width);
+        let gate = match delta_gate {
+            Some(d) => gate + d,
+            None => gate,
+        };
+        let up = match delta_up {
+            Some(d) => up + d,
+            None => up,
+        };
+        return swiglu(gate, up);
+    }
+    let out = match (delta_gate, delta_up) {
+        (None, None) => <Dispatch as StackedSwiGluBackend>::swiglu_stacked(gate_up.into_dispatch()),
+        (gate, up) => {
+            let device = gate_up.device();
+            let zeros = || Tensor::<D>::zeros(half_dims, &device);
+            <Dispatch as StackedSwiGluBackend>::swiglu_stacked_delta(
+                gate_up.into_dispatch(),
+                gate.unwrap_or_else(zeros).into_dispatch(),
+                up.unwrap_or_else(zeros).into_dispatch(),
+            )
+        }
+    };
+    Tensor::from_dispatch(out)
 }
