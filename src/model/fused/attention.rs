@@ -227,10 +227,7 @@ fn forward(q: &[f32], k: &[f32], v: &[f32], mask: &HostMask, dims: Dims, keep_pr
                     };
                     // Scores q k^T over the block's keys, into the block's probability rows.
                     product(rows, width, d, p, p_row, false, &q[i0 * d..], (d, 1), &k[lo * d..], (1, d));
-                    for r in 0..rows {
-                        let row = &mut p[r * p_row..r * p_row + width];
-                        softmax_row(row, &mask.row(b, i0 + r)[lo..hi], scale);
-                    }
+                    softmax_rows(p, p_row, [rows, width], |r| &mask.row(b, i0 + r)[lo..hi], scale);
                     product(rows, d, width, &mut out[i0 * d..], d, false, p, (p_row, 1), &v[lo * d..], (d, 1));
                 }
             }
@@ -239,26 +236,104 @@ fn forward(q: &[f32], k: &[f32], v: &[f32], mask: &HostMask, dims: Dims, keep_pr
     (out, probs)
 }
 
-/// `row = softmax(row * scale)` over the visible keys (`hidden` marks the others, which get 0);
-/// all zeros when none is visible.
-fn softmax_row(row: &mut [f32], hidden: &[bool], scale: f32) {
-    let mut max = f32::NEG_INFINITY;
-    for (s, &h) in row.iter_mut().zip(hidden) {
-        *s = if h { f32::NEG_INFINITY } else { *s * scale };
-        max = max.max(*s);
+/// `row = softmax(row * scale)` for each of the block's `rows` rows of `width` scores (`p_row`
+/// apart in `p`), over the visible keys (`hidden(r)` marks row `r`'s others, which get 0); a row
+/// is all zeros when none is visible.
+fn softmax_rows<'m>(
+    p: &mut [f32],
+    p_row: usize,
+    [rows, width]: [usize; 2],
+    hidden: impl Fn(usize) -> &'m [bool],
+    scale: f32,
+) {
+    assert!(rows <= QUERY_BLOCK, "attention: a block of {rows} queries");
+    let mut visible = [false; QUERY_BLOCK];
+    for (r, seen) in visible.iter_mut().enumerate().take(rows) {
+        let row = &mut p[r * p_row..r * p_row + width];
+        for (s, &h) in row.iter_mut().zip(hidden(r)) {
+            *s = if h { f32::NEG_INFINITY } else { *s * scale };
+        }
+        let max = max_of(row);
+        if max == f32::NEG_INFINITY {
+            row.fill(0.0);
+            continue;
+        }
+        *seen = true;
+        for s in row.iter_mut() {
+            *s -= max;
+        }
+        // e^-inf = 0 for the hidden keys.
+        exp_in_place(row);
     }
-    if max == f32::NEG_INFINITY {
-        row.fill(0.0);
-        return;
+    let mut sums = [0.0f32; QUERY_BLOCK];
+    row_sums(&mut sums[..rows], width, (p, p_row), None);
+    for r in (0..rows).filter(|&r| visible[r]) {
+        let inverse = 1.0 / sums[r];
+        for v in &mut p[r * p_row..r * p_row + width] {
+            *v *= inverse;
+        }
     }
-    for s in row.iter_mut() {
-        *s -= max;
+}
+
+/// The largest of `values` (`-inf` when empty), as a left-to-right `f32::max` fold gives it:
+/// the maximum does not depend on the order, so eight lanes take it at once.
+fn max_of(values: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; SUM_LANES];
+    let chunks = values.chunks_exact(SUM_LANES);
+    let tail = chunks.remainder();
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = lane.max(v);
+        }
     }
-    // e^-inf = 0 for the hidden keys.
-    exp_in_place(row);
-    let inverse = 1.0 / row.iter().sum::<f32>();
-    for p in row.iter_mut() {
-        *p *= inverse;
+    lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// Rows whose sums [`row_sums`] runs side by side.
+const SUM_LANES: usize = 8;
+
+/// `sums[r] = sum_i a[r, i] (* b[r, i])` over `i < width`, for `a` (and `b`) given as values
+/// and row stride. Each row is summed from `i = 0` up, one rounding per step, as
+/// `iter().sum()` sums it (bit for bit); eight rows' sums run interleaved, so that each
+/// addition does not wait on the previous one.
+fn row_sums(sums: &mut [f32], width: usize, (a, a_row): (&[f32], usize), b: Option<(&[f32], usize)>) {
+    fn row(values: &[f32], stride: usize, r: usize, width: usize) -> &[f32] {
+        &values[r * stride..r * stride + width]
+    }
+    let mut r0 = 0;
+    while r0 < sums.len() {
+        let lanes = SUM_LANES.min(sums.len() - r0);
+        let mut acc = [0.0f32; SUM_LANES];
+        if lanes == SUM_LANES {
+            let a: [&[f32]; SUM_LANES] = std::array::from_fn(|j| row(a, a_row, r0 + j, width));
+            match b {
+                None => {
+                    for i in 0..width {
+                        for (acc, a) in acc.iter_mut().zip(&a) {
+                            *acc += a[i];
+                        }
+                    }
+                }
+                Some((b, b_row)) => {
+                    let b: [&[f32]; SUM_LANES] = std::array::from_fn(|j| row(b, b_row, r0 + j, width));
+                    for i in 0..width {
+                        for ((acc, a), b) in acc.iter_mut().zip(&a).zip(&b) {
+                            *acc += a[i] * b[i];
+                        }
+                    }
+                }
+            }
+        } else {
+            for (j, acc) in acc.iter_mut().enumerate().take(lanes) {
+                let a = row(a, a_row, r0 + j, width);
+                *acc = match b {
+                    None => a.iter().sum(),
+                    Some((b, b_row)) => a.iter().zip(row(b, b_row, r0 + j, width)).map(|(x, y)| x * y).sum(),
+                };
+            }
+        }
+        sums[r0..r0 + lanes].copy_from_slice(&acc[..lanes]);
+        r0 += lanes;
     }
 }
 
@@ -302,9 +377,10 @@ fn backward(saved: &Saved, grad: &[f32], dims: Dims) -> (Vec<f32>, Vec<f32>, Vec
                         product(width, d, rows, &mut dv[lo * d..], d, true, p, (1, keys), dout, (d, 1));
                         // dp = do v^T, then ds = p (dp - rowsum(p dp)) scale, in place.
                         product(rows, width, d, ds, width, false, dout, (d, 1), &v[lo * d..], (1, d));
-                        for r in 0..rows {
+                        let mut dots = [0.0f32; QUERY_BLOCK];
+                        row_sums(&mut dots[..rows], width, (p, keys), Some((ds, width)));
+                        for (r, &dot) in dots[..rows].iter().enumerate() {
                             let (p_row, ds_row) = (&p[r * keys..r * keys + width], &mut ds[r * width..(r + 1) * width]);
-                            let dot: f32 = p_row.iter().zip(ds_row.iter()).map(|(a, b)| a * b).sum();
                             for (s, &pv) in ds_row.iter_mut().zip(p_row) {
                                 *s = pv * (*s - dot) * scale;
                             }
