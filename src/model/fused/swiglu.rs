@@ -250,7 +250,11 @@ impl StackedRows<'_> {
 /// Half of each row of `stacked` (`[rows, 2 width]`): the first half, or the second.
 fn half(stacked: &[f32], width: usize, second: bool) -> Vec<f32> {
     let start = if second { width } else { 0 };
-    stacked.chunks_exact(2 * width).flat_map(|row| &row[start..start + width]).copied().collect()
+    let mut out = Vec::with_capacity(stacked.len() / 2);
+    for row in stacked.chunks_exact(2 * width) {
+        out.extend_from_slice(&row[start..start + width]);
+    }
+    out
 }
 
 /// The SwiGLU gate on a stacked gate/up projection, as a burn backend extension: the gate and
