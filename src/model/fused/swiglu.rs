@@ -170,6 +170,21 @@ impl StackedInputs {
         })
     }
 
+    /// `[gate + delta_gate, up + delta_up]`, shaped as the stacked output.
+    fn summed(&self) -> FlexTensor {
+        let shape = self.gate_up.layout().shape().as_slice().to_vec();
+        let values = self.with_rows(|rows| {
+            let width = rows.width();
+            let mut summed = vec![0.0f32; rows.gate_up.rows * 2 * width];
+            par_rows(&mut summed, 2 * width, |r, row| {
+                let (gate, up) = row.split_at_mut(width);
+                rows.gate_up_row(r, gate, up);
+            });
+            summed
+        });
+        FlexTensor::from_data(TensorData::new(values, shape))
+    }
+
     /// The shape of the output (and of each delta): the stacked shape, half as wide.
     fn half_shape(&self) -> Vec<usize> {
         let mut shape = self.gate_up.layout().shape().as_slice().to_vec();
@@ -371,10 +386,13 @@ impl<C: CheckpointStrategy> StackedSwiGluBackend for Autodiff<Flex, C> {
         let parents = [delta_gate.node(), gate_up.node(), delta_up.node()];
         match StackedSwiGluDeltaBackward.prepare::<C>(parents).compute_bound().stateful() {
             OpsKind::Tracked(prep) => {
+                // The backward keeps the sums (as wide as the stacked output), not the stacked
+                // output and both deltas.
                 let deltas = Some((delta_gate.primitive().clone(), delta_up.primitive().clone()));
                 let inputs = StackedInputs { gate_up: gate_up.primitive().clone(), deltas };
-                let out = stacked_forward(&inputs);
-                prep.finish(inputs, out)
+                let summed = StackedInputs { gate_up: inputs.summed(), deltas: None };
+                let out = stacked_forward(&summed);
+                prep.finish(summed, out)
             }
             OpsKind::UnTracked(prep) => prep.finish(Flex::swiglu_stacked_delta(
                 gate_up.into_primitive(),
