@@ -20,12 +20,57 @@ pub fn parse_device(name: &str) -> Result<Device> {
                     .map_err(|_| TroupeError::invalid("device", format!("bad CUDA index in {name:?}")))?,
                 None => 0,
             };
-            Ok(Device::cuda(index))
+            start_cuda(index)
         }
         _ if name.starts_with("cuda") => {
             Err(TroupeError::invalid("device", format!("{name:?} needs troupe built with `--features cuda`")))
         }
         _ => Err(TroupeError::invalid("device", format!("unknown device {name:?} (known: {DEVICE_NAMES})"))),
+    }
+}
+
+/// Starts CUDA device `index` with a one-element tensor. burn starts its CUDA runtime on first
+/// use and, without a driver or a GPU, panics on its runner thread (then on the caller's): starting
+/// it here turns that into an error naming the device, before any work is done. Each device is
+/// started once per process; the panic hook is swapped only while a lock is held, so concurrent
+/// callers cannot leave each other's hook installed.
+#[cfg(feature = "cuda")]
+fn start_cuda(index: usize) -> Result<Device> {
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
+    static STARTED: Mutex<BTreeMap<usize, std::result::Result<(), String>>> = Mutex::new(BTreeMap::new());
+
+    let device = Device::cuda(index);
+    let mut started = STARTED.lock().unwrap_or_else(|e| e.into_inner());
+    let outcome = started.entry(index).or_insert_with(|| {
+        let first_panic = Arc::new(Mutex::new(None::<String>));
+        let previous_hook = std::panic::take_hook();
+        let recorder = Arc::clone(&first_panic);
+        std::panic::set_hook(Box::new(move |info| {
+            let text = info
+                .payload()
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| info.payload().downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            recorder.lock().unwrap_or_else(|e| e.into_inner()).get_or_insert(text);
+        }));
+        let probe = std::panic::catch_unwind(|| {
+            burn::tensor::Tensor::<1>::zeros([1], &device).into_data().try_to_vec::<f32>().is_ok()
+        });
+        std::panic::set_hook(previous_hook);
+        match probe {
+            Ok(true) => Ok(()),
+            _ => {
+                let cause = first_panic.lock().unwrap_or_else(|e| e.into_inner()).take().unwrap_or_default();
+                // cudarc's message goes on to list every library name it tried.
+                Err(cause.split(" - searched").next().unwrap_or_default().trim().to_string())
+            }
+        }
+    });
+    match outcome {
+        Ok(()) => Ok(device),
+        Err(cause) => Err(TroupeError::invalid("device", format!("cuda:{index} could not be started: {cause}"))),
     }
 }
 

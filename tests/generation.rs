@@ -2,8 +2,6 @@
 //! step, for a batch of prompts of different lengths; batching does not change a row's output;
 //! a seed fixes sampled text; EOS and max-new-tokens stop rows.
 
-use burn::tensor::Device;
-
 mod common;
 use troupe::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
 use troupe::model::{Model, Preset};
@@ -17,7 +15,7 @@ fn prompts(model: &Model) -> Vec<Vec<u32>> {
 
 #[test]
 fn kv_cache_matches_full_recompute_on_a_ragged_batch() {
-    let device = Device::flex();
+    let device = common::test_device();
     let model = Model::builtin(Preset::Tiny, 7, &device).unwrap();
     let prompts = prompts(&model);
     assert!(prompts.iter().map(Vec::len).collect::<std::collections::HashSet<_>>().len() > 1, "lengths differ");
@@ -44,20 +42,20 @@ fn kv_cache_matches_full_recompute_on_a_ragged_batch() {
 
 #[test]
 fn padded_scoring_equals_scoring_each_row_alone() {
-    let device = Device::flex();
+    let device = common::test_device();
     let model = Model::builtin(Preset::Tiny, 1, &device).unwrap();
     let prompts = prompts(&model);
     let batched = score_rows(&model.lm, &prompts, None).unwrap();
     for (prompt, row) in prompts.iter().zip(&batched) {
         let alone = score_rows(&model.lm, std::slice::from_ref(prompt), None).unwrap().remove(0);
         let diff = alone.iter().zip(row).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(diff < 1e-5, "padding changed a row's log-probs by {diff}");
+        assert!(diff < common::tolerance(1e-5), "padding changed a row's log-probs by {diff}");
     }
 }
 
 #[test]
 fn seed_fixes_sampled_text_and_stops_apply() {
-    let device = Device::flex();
+    let device = common::test_device();
     let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
     let prompts = prompts(&model);
     let sampled = |seed| {
@@ -89,7 +87,7 @@ fn seed_fixes_sampled_text_and_stops_apply() {
 
 #[test]
 fn completion_scoring_equals_full_scoring_at_the_completion_positions() {
-    let device = Device::flex();
+    let device = common::test_device();
     let model = Model::builtin(Preset::Tiny, 3, &device).unwrap();
     let rows = prompts(&model);
     // Completions start at different places in rows of different lengths.
@@ -106,7 +104,7 @@ fn completion_scoring_equals_full_scoring_at_the_completion_positions() {
             if f + j < row.len() {
                 // Token f + j is scored at full position f + j - 1.
                 let want = full[b][f + j - 1];
-                assert!((got - want).abs() < 1e-5, "row {b} token {}: {got} vs {want}", f + j);
+                assert!((got - want).abs() < common::tolerance(1e-5), "row {b} token {}: {got} vs {want}", f + j);
             } else {
                 assert_eq!(got, 0.0, "padding beyond row {b}'s completion");
             }
@@ -118,7 +116,7 @@ fn completion_scoring_equals_full_scoring_at_the_completion_positions() {
 #[test]
 fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it_grows() {
     use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
-    let device = Device::flex();
+    let device = common::test_device();
     let model = Model::builtin(Preset::Tiny, 5, &device).unwrap();
     let lm = &model.lm;
     let layers = lm.config.num_hidden_layers;
@@ -156,7 +154,7 @@ fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it
         let (x, y) = (run(&a, &mut grown), run(&b, &mut concatenated));
         // Only the masked room differs: the same keys and values, so the same outputs.
         let diff = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0f32, f32::max);
-        assert!(diff < 1e-5, "hidden states differ by {diff}");
+        assert!(diff < common::tolerance(1e-5), "hidden states differ by {diff}");
         assert_eq!(grown.len(), concatenated.len());
     }
     assert_eq!(
@@ -168,7 +166,7 @@ fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it
 #[test]
 fn generation_past_the_reserved_cache_room_matches_full_recompute() {
     // More new tokens than generation reserves room for up front (128): the cache grows mid-way.
-    let device = Device::flex();
+    let device = common::test_device();
     let model = Model::builtin(Preset::Tiny, 9, &device).unwrap();
     let prompts = prompts(&model)[..2].to_vec();
     let options = GenerateOptions {
@@ -187,7 +185,7 @@ fn generation_past_the_reserved_cache_room_matches_full_recompute() {
 #[test]
 fn filling_a_cache_writes_what_a_forward_writes() {
     use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
-    let device = Device::flex();
+    let device = common::test_device();
     let model = Model::builtin(Preset::Tiny, 3, &device).unwrap();
     let prompt = prompts(&model).remove(1);
     let layers = model.lm.config.num_hidden_layers;

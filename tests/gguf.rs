@@ -8,7 +8,6 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use burn::tensor::Device;
 use common::*;
 use gguf_rs_lib::prelude::{GGUFBuilder, GGUFTensorType, MetadataValue};
 use troupe::generate::{generate, last_logits, score_rows, GenerateOptions, SamplingConfig};
@@ -94,20 +93,22 @@ fn check_against_transformers(model: &Model, expected: &serde_json::Value, toler
         assert!(diff < tolerance, "{name}: log-probs of {text:?} differ by {diff}");
         worst = worst.max(diff);
         let logits = last_logits(&model.lm, &ids, None).unwrap();
-        assert_eq!(top_k_ids(&logits, 5), common::ids(&case["last_top5_ids"]), "{name}: top-5 of {text:?}");
+        let what = format!("{name}: {text:?}");
+        assert_top_k(&logits, &common::ids(&case["last_top5_ids"]), &floats(&case["last_top5_logits"]), &what);
         let expected_greedy = common::ids(&case["greedy"]);
         let stop = expected["greedy_stops_at_eos"].as_bool().unwrap();
-        assert_eq!(greedy(model, &ids, expected_greedy.len(), stop), expected_greedy, "{name}: greedy after {text:?}");
+        let logits_after = |prefix: &[u32]| last_logits(&model.lm, &[&ids[..], prefix].concat(), None).unwrap();
+        assert_greedy(&greedy(model, &ids, expected_greedy.len(), stop), &expected_greedy, logits_after, &what);
     }
     worst
 }
 
 #[test]
 fn tiny_gguf_models_match_transformers_gguf_loader() {
-    let device = Device::flex();
+    let device = common::test_device();
     for file in ["tiny-llama.gguf", "tiny-qwen2.gguf", "tiny-qwen3.gguf", "kquants-llama.gguf"] {
         let model = Model::from_path(&gguf_dir().join(file), &device).unwrap();
-        check_against_transformers(&model, &expected_of(file), 1e-4);
+        check_against_transformers(&model, &expected_of(file), common::tolerance(1e-4));
     }
 }
 
@@ -135,7 +136,7 @@ fn rewrite(
 }
 
 fn load_error(path: &Path) -> String {
-    let err = Model::from_path(path, &Device::flex()).expect_err("loading must fail").to_string();
+    let err = Model::from_path(path, &common::test_device()).expect_err("loading must fail").to_string();
     assert!(!err.contains('\n'), "one line: {err}");
     err
 }
@@ -150,7 +151,7 @@ fn bad_gguf_files_give_one_clear_error_each() {
     // The rewrite itself loads (the builder writes what troupe reads).
     let copy = tmp.path().join("copy.gguf");
     rewrite(&src, &copy, keep, same);
-    Model::from_path(&copy, &Device::flex()).unwrap();
+    Model::from_path(&copy, &common::test_device()).unwrap();
 
     // Truncated: in the metadata, and in the tensor data.
     let bytes = std::fs::read(&src).unwrap();

@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 use troupe::adapters::optim::{adapter_grads, AdapterGrads};
 use troupe::adapters::MultiAdapterManager;
 use troupe::generate::prefix::SharedPrefixes;
@@ -14,7 +14,7 @@ use troupe::generate::{completion_logprobs, generate_rows, GenerateOptions, Samp
 use troupe::model::{Model, ProjectionDelta};
 
 fn setup() -> (Model, MultiAdapterManager) {
-    let device = Device::flex();
+    let device = common::test_device();
     let dir = common::models_dir().join("tiny-qwen3");
     let model = Model::from_dir(&dir, &device).unwrap();
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
@@ -118,7 +118,10 @@ fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
         let (alone, own) =
             scored(&model, &manager, &rows[row..=row], &from[row..=row], &agents[row..=row], &weights[row..=row]);
         let diff = common::max_abs_diff(&alone[0], &batched[row]);
-        assert!(diff < 1e-5, "row {row}: shared-prefix log-probs differ from the row alone by {diff}");
+        assert!(
+            diff < common::tolerance(1e-5),
+            "row {row}: shared-prefix log-probs differ from the row alone by {diff}"
+        );
         for (name, sites) in own {
             let total = summed.entry(name).or_default();
             for (site, (a, b)) in sites {
@@ -139,7 +142,10 @@ fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
                 .max((b.clone() - eb.clone()).abs().max().into_scalar());
         }
         assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
-        assert!(diff < 1e-5 * scale.max(1.0), "{name}: shared-prefix gradient differs by {diff} (scale {scale})");
+        assert!(
+            diff < common::tolerance(1e-5) * scale.max(1.0),
+            "{name}: shared-prefix gradient differs by {diff} (scale {scale})"
+        );
     }
 }
 
@@ -168,6 +174,6 @@ fn reference_scoring_without_adapters_shares_prompts_too() {
         let alone = alone.into_data().try_into_vec::<f32>().unwrap();
         let n = tokens.len() - p.len();
         let diff = common::max_abs_diff(&alone[..n], &shared[row * width..row * width + n]);
-        assert!(diff < 1e-5, "row {row}: {diff}");
+        assert!(diff < common::tolerance(1e-5), "row {row}: {diff}");
     }
 }

@@ -1,9 +1,10 @@
 //! Training runs on disk: exact resume, checkpoints that survive a kill, the NaN stop, and the
 //! eval summary. Tiny settings (built-in tiny model, 2-step Hanabi episodes) keep them fast.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
-use burn::tensor::Device;
 use troupe::error::TroupeError;
 use troupe::rl::checkpoint::{checkpoint_dir, list_checkpoints, write_checkpoint_files, CHECKPOINTS_DIR};
 use troupe::rl::config::TrainConfig;
@@ -26,12 +27,12 @@ fn config(out_dir: &Path, iterations: usize, checkpoint_every: usize, extra: &[&
 }
 
 fn start(config: TrainConfig) -> TrainingRun {
-    TrainingRun::start(config, Path::new("test.yaml"), Registry::with_builtins(), &Device::flex()).unwrap()
+    TrainingRun::start(config, Path::new("test.yaml"), Registry::with_builtins(), &common::test_device()).unwrap()
 }
 
 fn resume(run_dir: &Path, overrides: &[&str]) -> TrainingRun {
     let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-    TrainingRun::resume(run_dir, &overrides, Registry::with_builtins(), &Device::flex()).unwrap()
+    TrainingRun::resume(run_dir, &overrides, Registry::with_builtins(), &common::test_device()).unwrap()
 }
 
 fn finish(run: &mut TrainingRun) {
@@ -175,18 +176,23 @@ fn a_directory_holding_a_run_is_not_overwritten_and_resume_keeps_the_experiment(
     let dir = tmp.path().join("run");
     let run = start(config(&dir, 1, 1, &[]));
     drop(run);
+    let err = TrainingRun::start(
+        config(&dir, 1, 1, &[]),
+        Path::new("test.yaml"),
+        Registry::with_builtins(),
+        &common::test_device(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    assert!(err.contains("already holds a run") && err.contains("--resume"), "{err}");
     let err =
-        TrainingRun::start(config(&dir, 1, 1, &[]), Path::new("test.yaml"), Registry::with_builtins(), &Device::flex())
+        TrainingRun::resume(&dir, &["training.lr=1.0".to_string()], Registry::with_builtins(), &common::test_device())
             .err()
             .unwrap()
             .to_string();
-    assert!(err.contains("already holds a run") && err.contains("--resume"), "{err}");
-    let err = TrainingRun::resume(&dir, &["training.lr=1.0".to_string()], Registry::with_builtins(), &Device::flex())
-        .err()
-        .unwrap()
-        .to_string();
     assert!(err.contains("training.lr") && err.contains("only run.iterations"), "{err}");
-    let err = TrainingRun::resume(&tmp.path().join("nowhere"), &[], Registry::with_builtins(), &Device::flex())
+    let err = TrainingRun::resume(&tmp.path().join("nowhere"), &[], Registry::with_builtins(), &common::test_device())
         .err()
         .unwrap()
         .to_string();

@@ -130,6 +130,79 @@ pub fn assert_same_generations(a: &[troupe::generate::Generation], b: &[troupe::
         );
         assert_eq!(x.logprobs.len(), x.output_ids.len(), "{what}: one log-prob per token");
         let diff = max_abs_diff(&x.logprobs, &y.logprobs);
-        assert!(diff < 1e-4, "{what}: recorded log-probs differ by {diff}");
+        assert!(diff < tolerance(1e-4), "{what}: recorded log-probs differ by {diff}");
     }
+}
+
+/// The device the numeric tests run on: `TROUPE_TEST_DEVICE` (`cpu`, or `cuda` / `cuda:N` with
+/// the `cuda` feature), else the CPU. `TROUPE_TEST_DEVICE=cuda cargo test --features cuda --test
+/// base_model` checks the GPU backend against the same transformers outputs.
+pub fn test_device() -> burn::tensor::Device {
+    match std::env::var("TROUPE_TEST_DEVICE") {
+        Ok(name) if !name.is_empty() => {
+            troupe::device::parse_device(&name).unwrap_or_else(|e| panic!("TROUPE_TEST_DEVICE: {e}"))
+        }
+        _ => burn::tensor::Device::flex(),
+    }
+}
+
+/// A numeric tolerance: `cpu` on the CPU, where every matrix product is float32. burn's CUDA
+/// backend multiplies float32 matrices on the tensor cores in TF32 (a 10-bit mantissa, as
+/// PyTorch does with `allow_tf32`), so there the tolerance is at least 2e-2.
+pub fn tolerance(cpu: f32) -> f32 {
+    if test_device() == burn::tensor::Device::flex() {
+        cpu
+    } else {
+        cpu.max(2e-2)
+    }
+}
+
+/// Whether the tests run on the CPU, where troupe must reproduce transformers' orderings exactly.
+fn on_cpu() -> bool {
+    test_device() == burn::tensor::Device::flex()
+}
+
+/// Asserts that `logits`' top `k` is transformers' (`expected_ids`, with `expected_logits`): the
+/// same ids in the same order on the CPU. Under TF32 (see [`tolerance`]) two logits closer than
+/// the tolerance may swap, so there the `k` largest logits must match the expected ones in order
+/// and each expected id's logit must match its own.
+pub fn assert_top_k(logits: &[f32], expected_ids: &[u32], expected_logits: &[f32], what: &str) {
+    let got = top_k_ids(logits, expected_ids.len());
+    if on_cpu() {
+        assert_eq!(got, expected_ids, "{what}: top-{}", expected_ids.len());
+        return;
+    }
+    let tol = tolerance(1e-3);
+    for (rank, (&id, &want)) in got.iter().zip(expected_logits).enumerate() {
+        let value = logits[id as usize];
+        assert!((value - want).abs() < tol, "{what}: logit ranked {rank} is {value}, transformers' {want}");
+    }
+    for (&id, &want) in expected_ids.iter().zip(expected_logits) {
+        let value = logits[id as usize];
+        assert!((value - want).abs() < tol, "{what}: logit of token {id} is {value}, transformers' {want}");
+    }
+}
+
+/// Asserts that greedy decoding gave transformers' tokens. On the CPU they must be equal. Under
+/// TF32 a near-tie may flip one step, after which the continuations cannot be compared: the first
+/// step where they differ must be one where the two tokens' logits (from `logits_after`, the
+/// logits after the prompt plus a prefix of the expected tokens) lie within the tolerance.
+pub fn assert_greedy(got: &[u32], expected: &[u32], logits_after: impl Fn(&[u32]) -> Vec<f32>, what: &str) {
+    if on_cpu() {
+        assert_eq!(got, expected, "{what}: greedy tokens");
+        return;
+    }
+    let Some(step) = got.iter().zip(expected).position(|(a, b)| a != b) else {
+        assert_eq!(got.len(), expected.len(), "{what}: greedy length");
+        return;
+    };
+    let logits = logits_after(&expected[..step]);
+    let (ours, theirs) = (logits[got[step] as usize], logits[expected[step] as usize]);
+    eprintln!("{what}: greedy step {step} is a near-tie under TF32 ({ours} vs {theirs})");
+    assert!(
+        (ours - theirs).abs() < tolerance(1e-3),
+        "{what}: greedy step {step}: token {} ({ours}) vs {} ({theirs})",
+        got[step],
+        expected[step]
+    );
 }

@@ -471,8 +471,8 @@ impl<C: CheckpointStrategy> MaskedAttentionBackend for Autodiff<Flex, C> {
 }
 
 /// Masked grouped-query attention (scale `1 / sqrt(head_dim)`): fused on the CPU; elsewhere
-/// (and for any dtype but f32) burn's attention, with the key/value heads repeated where it
-/// must differentiate. `mask` and `host_mask` are the same mask.
+/// (and for any dtype but f32) burn's attention, with the key/value heads repeated except where
+/// burn's CPU attention shares them itself. `mask` and `host_mask` are the same mask.
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
@@ -493,11 +493,13 @@ pub fn attention(
             host_mask.clone(),
         ));
     }
-    // burn's CPU attention shares each key/value head among its query heads itself; the
-    // differentiable fallback needs them repeated.
+    // burn's CPU attention shares each key/value head among its query heads itself; its
+    // differentiable fallback and the other backends' attention (CUDA's refuses a key/value head
+    // count other than the query's) need them repeated.
     let group = q.dims()[1] / k.dims()[1];
     let differentiable = q.is_autodiff() || k.is_autodiff() || v.is_autodiff();
-    let (k, v) = if differentiable { (repeat_kv(k, group), repeat_kv(v, group)) } else { (k, v) };
+    let shares_heads = on_flex(&q) && !differentiable;
+    let (k, v) = if shares_heads { (k, v) } else { (repeat_kv(k, group), repeat_kv(v, group)) };
     let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
     burn_attention(q, k, v, Some(mask.clone()), None, options)
 }
