@@ -150,7 +150,7 @@ pub fn test_device() -> burn::tensor::Device {
 /// backend multiplies float32 matrices on the tensor cores in TF32 (a 10-bit mantissa, as
 /// PyTorch does with `allow_tf32`), so there the tolerance is at least 2e-2.
 pub fn tolerance(cpu: f32) -> f32 {
-    if test_device() == burn::tensor::Device::flex() {
+    if on_cpu() {
         cpu
     } else {
         cpu.max(2e-2)

@@ -484,8 +484,9 @@ pub fn attention(
     mask: &Tensor<4, Bool>,
     host_mask: &Arc<HostMask>,
 ) -> Tensor<4> {
+    let flex = on_flex(&q);
     let f32s = [&q, &k, &v].iter().all(|t| t.dtype() == DType::F32);
-    if on_flex(&q) && f32s {
+    if flex && f32s {
         return Tensor::from_dispatch(<Dispatch as MaskedAttentionBackend>::masked_attention(
             q.into_dispatch(),
             k.into_dispatch(),
@@ -498,7 +499,7 @@ pub fn attention(
     // count other than the query's) need them repeated.
     let group = q.dims()[1] / k.dims()[1];
     let differentiable = q.is_autodiff() || k.is_autodiff() || v.is_autodiff();
-    let shares_heads = on_flex(&q) && !differentiable;
+    let shares_heads = flex && !differentiable;
     let (k, v) = if shares_heads { (k, v) } else { (repeat_kv(k, group), repeat_kv(v, group)) };
     let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
     burn_attention(q, k, v, Some(mask.clone()), None, options)
