@@ -3,11 +3,10 @@
 //! pass; for scoring (forward) and for training (forward + backward). The same workload as
 //! `peer_bench.py`'s `mixed32_K*` (PEFT's per-row `adapter_names`, inference only).
 //!
-//! `cargo bench --bench adapters`
+//! `cargo bench --bench adapters` (`TROUPE_DEVICE=cuda` and `--features cuda` on a GPU).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
-use burn::tensor::Device;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -24,16 +23,18 @@ fn pass(model: &Model, manager: &MultiAdapterManager, rows: &[Vec<u32>], agents:
     let (delta, _used) = manager.mixed(agents, train).unwrap();
     let batch = ScoringBatch::new(&model.lm, rows).unwrap();
     let logprobs = next_token_logprobs(&model.lm, &batch, Some(&delta)).unwrap();
+    let device = logprobs.device();
     if train {
         let _grads = logprobs.sum().neg().backward();
     } else {
         let _ = logprobs.dims();
     }
+    device.sync().unwrap();
 }
 
 fn bench_adapters(c: &mut Criterion) {
     troupe::device::tune_allocator();
-    let device = Device::flex();
+    let device = troupe::device::default_device().expect("TROUPE_DEVICE");
     let model = Model::builtin(Preset::Small, 0, &device).unwrap();
     let vocab = model.tokenizer.vocab_size();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
@@ -69,7 +70,7 @@ fn bench_adapters(c: &mut Criterion) {
 /// forward + backward + AdamW.
 fn bench_train_step(c: &mut Criterion) {
     troupe::device::tune_allocator();
-    let device = Device::flex();
+    let device = troupe::device::default_device().expect("TROUPE_DEVICE");
     let model = Model::builtin(Preset::Small, 0, &device).unwrap();
     let vocab = model.tokenizer.vocab_size();
     let mut rng = ChaCha8Rng::seed_from_u64(1);
@@ -90,6 +91,7 @@ fn bench_train_step(c: &mut Criterion) {
             let g = adapter_grads(&used["agent_0"], &grads).unwrap();
             let updated = adamw.step(manager.adapter(0).unwrap(), &g, &mut state, adamw.lr);
             manager.set_adapter(0, updated).unwrap();
+            device.sync().unwrap();
         })
     });
     group.finish();

@@ -2,11 +2,13 @@
 //! the same workloads as `tools/peer_bench.py` (prefill: one forward over B x 128
 //! tokens with all logits; decode: B prompts of 16 tokens, 64 greedy new tokens, no EOS stop).
 //!
-//! `cargo bench --bench model` (criterion prints elements/s = tokens/s).
+//! `cargo bench --bench model` (criterion prints elements/s = tokens/s). On a GPU:
+//! `TROUPE_DEVICE=cuda cargo bench --features cuda --bench model` (each timed pass ends when the
+//! device has finished its work).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Tensor;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -19,7 +21,7 @@ fn random_rows(rng: &mut ChaCha8Rng, batch: usize, len: usize, vocab: usize) -> 
 
 fn bench_model(c: &mut Criterion) {
     troupe::device::tune_allocator();
-    let device = Device::flex();
+    let device = troupe::device::default_device().expect("TROUPE_DEVICE");
     for preset in [Preset::Tiny, Preset::Small] {
         let model = Model::builtin(preset, 0, &device).unwrap();
         let name = format!("{preset:?}").to_lowercase();
@@ -36,6 +38,7 @@ fn bench_model(c: &mut Criterion) {
                     let layout = SequenceLayout::new(rows.len()).step(&vec![vec![true; 128]; rows.len()], &device);
                     let logits: Tensor<3> =
                         model.lm.forward(tokens, ForwardArgs { layout: &layout, cache: None, delta: None }).unwrap();
+                    device.sync().unwrap();
                     logits.dims()
                 })
             });
