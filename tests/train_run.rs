@@ -26,13 +26,21 @@ fn config(out_dir: &Path, iterations: usize, checkpoint_every: usize, extra: &[&
     TrainConfig::from_yaml_str(&yaml, Path::new("test.yaml"), &overrides, &Registry::with_builtins()).unwrap()
 }
 
+fn try_start(config: TrainConfig) -> Result<TrainingRun, TroupeError> {
+    TrainingRun::start(config, Path::new("test.yaml"), Registry::with_builtins(), &common::test_device())
+}
+
 fn start(config: TrainConfig) -> TrainingRun {
-    TrainingRun::start(config, Path::new("test.yaml"), Registry::with_builtins(), &common::test_device()).unwrap()
+    try_start(config).unwrap()
+}
+
+fn try_resume(run_dir: &Path, overrides: &[&str]) -> Result<TrainingRun, TroupeError> {
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    TrainingRun::resume(run_dir, &overrides, Registry::with_builtins(), &common::test_device())
 }
 
 fn resume(run_dir: &Path, overrides: &[&str]) -> TrainingRun {
-    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
-    TrainingRun::resume(run_dir, &overrides, Registry::with_builtins(), &common::test_device()).unwrap()
+    try_resume(run_dir, overrides).unwrap()
 }
 
 fn finish(run: &mut TrainingRun) {
@@ -176,25 +184,10 @@ fn a_directory_holding_a_run_is_not_overwritten_and_resume_keeps_the_experiment(
     let dir = tmp.path().join("run");
     let run = start(config(&dir, 1, 1, &[]));
     drop(run);
-    let err = TrainingRun::start(
-        config(&dir, 1, 1, &[]),
-        Path::new("test.yaml"),
-        Registry::with_builtins(),
-        &common::test_device(),
-    )
-    .err()
-    .unwrap()
-    .to_string();
+    let err = try_start(config(&dir, 1, 1, &[])).err().unwrap().to_string();
     assert!(err.contains("already holds a run") && err.contains("--resume"), "{err}");
-    let err =
-        TrainingRun::resume(&dir, &["training.lr=1.0".to_string()], Registry::with_builtins(), &common::test_device())
-            .err()
-            .unwrap()
-            .to_string();
+    let err = try_resume(&dir, &["training.lr=1.0"]).err().unwrap().to_string();
     assert!(err.contains("training.lr") && err.contains("only run.iterations"), "{err}");
-    let err = TrainingRun::resume(&tmp.path().join("nowhere"), &[], Registry::with_builtins(), &common::test_device())
-        .err()
-        .unwrap()
-        .to_string();
+    let err = try_resume(&tmp.path().join("nowhere"), &[]).err().unwrap().to_string();
     assert!(err.contains("not a run directory"), "{err}");
 }
