@@ -3,8 +3,8 @@
 //! against it in the same row) against one full row per (prompt, action) pair, and the choice
 //! policy's training pass (forward + backward through both agents' adapters).
 //!
-//! Also this machine's GEMM rate, the reference for the achieved-FLOP fractions in
-//! `metrics.jsonl` (`gflop_per_second_rollout`, `gflop_per_second_update`).
+//! The GEMM rate that `metrics.jsonl`'s achieved FLOP rates (`gflop_per_second_rollout`,
+//! `gflop_per_second_update`) are read against: `cargo bench --bench gemm -- gemm/`.
 //!
 //! `cargo bench --bench choice`
 
@@ -114,22 +114,5 @@ fn bench_choice(c: &mut Criterion) {
     group.finish();
 }
 
-/// This machine's f32 GEMM rate through burn (the denominator of the rollout's and update's
-/// achieved-FLOP fractions): the tiny model's widest projection on a batch of packed rows, and
-/// a square 1024 product. Throughput is in FLOPs (elements/s reads as FLOP/s).
-fn bench_gemm(c: &mut Criterion) {
-    troupe::device::tune_allocator();
-    let device = Device::flex();
-    let mut group = c.benchmark_group("gemm");
-    group.sample_size(20);
-    for (m, k, n) in [(4096usize, 128usize, 768usize), (1024, 1024, 1024)] {
-        let a = burn::tensor::Tensor::<2>::random([m, k], burn::tensor::Distribution::Default, &device);
-        let b = burn::tensor::Tensor::<2>::random([k, n], burn::tensor::Distribution::Default, &device);
-        group.throughput(Throughput::Elements((2 * m * k * n) as u64));
-        group.bench_function(format!("{m}x{k}x{n}"), |bench| bench.iter(|| a.clone().matmul(b.clone()).dims()));
-    }
-    group.finish();
-}
-
-criterion_group!(benches, bench_choice, bench_gemm);
+criterion_group!(benches, bench_choice);
 criterion_main!(benches);

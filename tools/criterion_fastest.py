@@ -9,7 +9,8 @@ Run after `cargo bench --bench model -- small` and
 - the fastest sample, the estimator `peer_bench.py` reports (the fastest of its repetitions);
 - criterion's mean.
 Also prints the mixed-adapter forward's time at K = 2, 4, 8 adapters relative to K = 1, from the
-means. Reads only the files criterion writes (each benchmark's latest run, `new/`); measures
+means, and, after `cargo bench --bench gemm`, each GEMM shape's and the FMA loop's GFLOP/s, fastest
+sample and mean (what `peer_bench.py --gemm` reports for PyTorch is its fastest). Reads only the files criterion writes (each benchmark's latest run, `new/`); measures
 nothing itself.
 """
 import json
@@ -53,6 +54,21 @@ def main():
         kt = mean_of(f"mixed32x64_forward/one_pass/K{k}")
         if k1 and kt:
             print(f"mixed32x64 K{k} / K1 time (means) {kt / k1:.3f}")
+
+    groups = sorted(g for g in os.listdir(root) if g == "fma_peak" or g.startswith("gemm"))
+    for group in sorted(groups, key=lambda g: (g != "fma_peak", len(g), g)):
+        for dirpath, _dirs, files in sorted(os.walk(os.path.join(root, group))):
+            if os.path.basename(dirpath) != "new" or "benchmark.json" not in files:
+                continue
+            bench = os.path.relpath(os.path.dirname(dirpath), root)
+            meta = load(root, bench, "benchmark.json")
+            flop = (meta.get("throughput") or {}).get("Elements")
+            if not flop:
+                continue
+            sample = load(root, bench, "sample.json")
+            fastest_ns = min(t / n for t, n in zip(sample["times"], sample["iters"]))
+            mean_ns = load(root, bench, "estimates.json")["mean"]["point_estimate"]
+            print(f"{bench:40s} fastest {flop / fastest_ns:6.1f} GFLOP/s   mean {flop / mean_ns:6.1f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,127 @@
+//! The f32 GEMM rate on this machine, against what the CPU can do at all: the frozen projection
+//! `x W^T` (`troupe::model::fused::dense_linear`, burn's GEMM call) at every product shape of the
+//! `small` preset's forward, for a 1 x 128 prefill's 128 rows and a 16 x 128 prefill's 2048
+//! (`gemm_t128`, `gemm_t2048`); burn's matmul at the tiny model's widest shape and a square 1024
+//! one (`gemm`: the denominator of the README's achieved-FLOP fractions for the Hanabi main job);
+//! and the cores' fused multiply-add peak, from a loop that keeps its operands in registers.
+//!
+//! Throughput is in floating-point operations (criterion's `elem/s` = FLOP/s: `2 t out in` per
+//! product, 16 per 8-lane multiply-add). The same products in PyTorch, same threads:
+//! `python tools/peer_bench.py --gemm` (`torch.nn.functional.linear`).
+//!
+//! `cargo bench --bench gemm` (`-- fma_peak`, `-- gemm_t128`, ...).
+
+#![allow(missing_docs)] // criterion_main! generates an undocumented `main`
+
+use burn::tensor::{Distribution, Tensor};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use rayon::prelude::*;
+use troupe::model::fused::dense_linear;
+use troupe::model::Preset;
+
+/// The products of one layer's forward and the LM head, `(name, out, in)`, stacked as troupe
+/// runs them (q/k/v in one product, gate/up in one).
+fn product_shapes(preset: Preset) -> Vec<(&'static str, usize, usize)> {
+    let c = preset.config();
+    let (hidden, kv) = (c.hidden_size, c.num_key_value_heads * c.head_dim);
+    let q = c.num_attention_heads * c.head_dim;
+    vec![
+        ("qkv", q + 2 * kv, hidden),
+        ("o", hidden, q),
+        ("gate_up", 2 * c.intermediate_size, hidden),
+        ("down", hidden, c.intermediate_size),
+        ("lm_head", c.vocab_size, hidden),
+    ]
+}
+
+fn bench_gemm(c: &mut Criterion) {
+    troupe::device::tune_allocator();
+    let device = troupe::device::default_device().expect("TROUPE_DEVICE");
+    for rows in [128usize, 2048] {
+        let mut group = c.benchmark_group(format!("gemm_t{rows}"));
+        group.sample_size(10);
+        for (name, out, inner) in product_shapes(Preset::Small) {
+            let x: Tensor<2> = Tensor::random([rows, inner], Distribution::Default, &device);
+            let weight: Tensor<2> = Tensor::random([out, inner], Distribution::Default, &device);
+            group.throughput(Throughput::Elements((2 * rows * out * inner) as u64));
+            group.bench_function(BenchmarkId::from_parameter(format!("{name}_{out}x{inner}")), |b| {
+                b.iter(|| {
+                    let y = dense_linear(x.clone(), &weight);
+                    device.sync().unwrap();
+                    y.dims()
+                })
+            });
+        }
+        group.finish();
+    }
+    let mut group = c.benchmark_group("gemm");
+    group.sample_size(20);
+    for (m, k, n) in [(4096usize, 128usize, 768usize), (1024, 1024, 1024)] {
+        let a: Tensor<2> = Tensor::random([m, k], Distribution::Default, &device);
+        let b: Tensor<2> = Tensor::random([k, n], Distribution::Default, &device);
+        group.throughput(Throughput::Elements((2 * m * k * n) as u64));
+        group.bench_function(format!("{m}x{k}x{n}"), |bench| {
+            bench.iter(|| {
+                let y = a.clone().matmul(b.clone());
+                device.sync().unwrap();
+                y.dims()
+            })
+        });
+    }
+    group.finish();
+}
+
+/// Multiply-adds per call of [`fma_loop`]: 10 accumulators of 8 lanes, `ITERATIONS` times.
+const ITERATIONS: usize = 1 << 20;
+const FLOP_PER_CALL: u64 = (ITERATIONS * 10 * 8 * 2) as u64;
+
+/// Ten independent chains of 8-lane fused multiply-adds held in registers (enough in flight to
+/// cover the instruction's latency on both FMA pipes); returns a lane so the work is kept.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_loop(seed: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_set1_ps(seed); 10];
+    let (a, b) = (_mm256_set1_ps(0.999_9), _mm256_set1_ps(1e-4));
+    for _ in 0..ITERATIONS {
+        for v in acc.iter_mut() {
+            *v = _mm256_fmadd_ps(*v, a, b);
+        }
+    }
+    let mut sum = _mm256_setzero_ps();
+    for v in acc {
+        sum = _mm256_add_ps(sum, v);
+    }
+    _mm256_cvtss_f32(sum)
+}
+
+fn bench_fma_peak(c: &mut Criterion) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        let threads = rayon::current_num_threads();
+        let mut group = c.benchmark_group("fma_peak");
+        group.sample_size(10);
+        group.throughput(Throughput::Elements(FLOP_PER_CALL));
+        // SAFETY: AVX2 and FMA were detected above.
+        group.bench_function("one_thread", |b| b.iter(|| unsafe { fma_loop(std::hint::black_box(0.5)) }));
+        group.throughput(Throughput::Elements(FLOP_PER_CALL * threads as u64));
+        group.bench_function(BenchmarkId::new("all_threads", threads), |b| {
+            b.iter(|| {
+                (0..threads)
+                    .into_par_iter()
+                    // SAFETY: as above; every rayon thread runs on this CPU.
+                    .map(|t| unsafe { fma_loop(std::hint::black_box(t as f32)) })
+                    .sum::<f32>()
+            })
+        });
+        group.finish();
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = c;
+}
+
+criterion_group!(benches, bench_fma_peak, bench_gemm);
+criterion_main!(benches);
