@@ -17,21 +17,31 @@ use burn::tensor::{Distribution, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use rayon::prelude::*;
 use troupe::model::fused::dense_linear;
-use troupe::model::Preset;
+use troupe::model::{Preset, Projection};
 
 /// The products of one layer's forward and the LM head, `(name, out, in)`, stacked as troupe
 /// runs them (q/k/v in one product, gate/up in one).
 fn product_shapes(preset: Preset) -> Vec<(&'static str, usize, usize)> {
-    let c = preset.config();
-    let (hidden, kv) = (c.hidden_size, c.num_key_value_heads * c.head_dim);
-    let q = c.num_attention_heads * c.head_dim;
-    vec![
-        ("qkv", q + 2 * kv, hidden),
-        ("o", hidden, q),
-        ("gate_up", 2 * c.intermediate_size, hidden),
-        ("down", hidden, c.intermediate_size),
-        ("lm_head", c.vocab_size, hidden),
+    let config = preset.config();
+    let dims = |projection: Projection| projection.dims(&config);
+    let stacked = |projections: &[Projection]| {
+        let (input, _) = dims(projections[0]);
+        (projections.iter().map(|&p| dims(p).1).sum::<usize>(), input)
+    };
+    let single = |projection: Projection| {
+        let (input, output) = dims(projection);
+        (output, input)
+    };
+    [
+        ("qkv", stacked(&[Projection::Q, Projection::K, Projection::V])),
+        ("o", single(Projection::O)),
+        ("gate_up", stacked(&[Projection::Gate, Projection::Up])),
+        ("down", single(Projection::Down)),
+        ("lm_head", (config.vocab_size, config.hidden_size)),
     ]
+    .into_iter()
+    .map(|(name, (out, inner))| (name, out, inner))
+    .collect()
 }
 
 fn bench_gemm(c: &mut Criterion) {

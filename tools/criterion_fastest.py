@@ -10,8 +10,8 @@ Run after `cargo bench --bench model -- small` and
 - criterion's mean.
 Also prints the mixed-adapter forward's time at K = 2, 4, 8 adapters relative to K = 1, from the
 means, and, after `cargo bench --bench gemm`, each GEMM shape's and the FMA loop's GFLOP/s, fastest
-sample and mean (what `peer_bench.py --gemm` reports for PyTorch is its fastest). Reads only the files criterion writes (each benchmark's latest run, `new/`); measures
-nothing itself.
+sample and mean (what `peer_bench.py --gemm` reports for PyTorch is its fastest). Reads only the
+files criterion writes (each benchmark's latest run, `new/`); measures nothing itself.
 """
 import json
 import os
@@ -32,6 +32,13 @@ def load(root, bench, name):
         return json.load(f)
 
 
+def fastest_and_mean_ns(root, bench):
+    """The fastest sample's and criterion's mean time per iteration, in nanoseconds."""
+    sample = load(root, bench, "sample.json")
+    fastest = min(t / n for t, n in zip(sample["times"], sample["iters"]))
+    return fastest, load(root, bench, "estimates.json")["mean"]["point_estimate"]
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "target/criterion"
     if not os.path.isdir(root):
@@ -40,10 +47,8 @@ def main():
         if not os.path.exists(os.path.join(root, bench, "new", "sample.json")):
             print(f"{bench:26s} not run")
             continue
-        sample = load(root, bench, "sample.json")
-        per_iter_ns = [t / n for t, n in zip(sample["times"], sample["iters"])]
-        mean_ns = load(root, bench, "estimates.json")["mean"]["point_estimate"]
-        print(f"{bench:26s} fastest {tokens / min(per_iter_ns) * 1e9:8.1f} tok/s"
+        fastest_ns, mean_ns = fastest_and_mean_ns(root, bench)
+        print(f"{bench:26s} fastest {tokens / fastest_ns * 1e9:8.1f} tok/s"
               f"   mean {tokens / mean_ns * 1e9:8.1f} tok/s")
     def mean_of(bench):
         path = os.path.join(root, bench, "new", "estimates.json")
@@ -55,7 +60,7 @@ def main():
         if k1 and kt:
             print(f"mixed32x64 K{k} / K1 time (means) {kt / k1:.3f}")
 
-    groups = sorted(g for g in os.listdir(root) if g == "fma_peak" or g.startswith("gemm"))
+    groups = [g for g in os.listdir(root) if g == "fma_peak" or g.startswith("gemm")]
     for group in sorted(groups, key=lambda g: (g != "fma_peak", len(g), g)):
         for dirpath, _dirs, files in sorted(os.walk(os.path.join(root, group))):
             if os.path.basename(dirpath) != "new" or "benchmark.json" not in files:
@@ -65,9 +70,7 @@ def main():
             flop = (meta.get("throughput") or {}).get("Elements")
             if not flop:
                 continue
-            sample = load(root, bench, "sample.json")
-            fastest_ns = min(t / n for t, n in zip(sample["times"], sample["iters"]))
-            mean_ns = load(root, bench, "estimates.json")["mean"]["point_estimate"]
+            fastest_ns, mean_ns = fastest_and_mean_ns(root, bench)
             print(f"{bench:40s} fastest {flop / fastest_ns:6.1f} GFLOP/s   mean {flop / mean_ns:6.1f} GFLOP/s")
 
 
