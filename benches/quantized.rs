@@ -17,7 +17,7 @@ use rand_chacha::ChaCha8Rng;
 use troupe::adapters::optim::adapter_grads;
 use troupe::adapters::{AdamWConfig, AdamWState, AdapterConfig, MultiAdapterManager};
 use troupe::generate::{generate, next_token_logprobs, GenerateOptions, SamplingConfig, ScoringBatch};
-use troupe::model::{BaseFormat, Model, Projection};
+use troupe::model::{BaseFormat, LoadOptions, Model, Projection};
 
 fn model_path() -> PathBuf {
     let path = std::env::var("TROUPE_SMOLLM2_GGUF")
@@ -36,7 +36,7 @@ fn bench_quantized(c: &mut Criterion) {
     let device = Device::flex();
     let path = model_path();
     for (name, format) in [("f32", BaseFormat::F32), ("quantized", BaseFormat::Quantized)] {
-        let model = Model::from_path_as(&path, &device, format).unwrap();
+        let model = Model::load(&LoadOptions::path(&path).quantized(format == BaseFormat::Quantized), &device).unwrap();
         let vocab = model.lm.config.vocab_size;
         let mut rng = ChaCha8Rng::seed_from_u64(0);
 

@@ -15,7 +15,7 @@ fn main() -> anyhow::Result<()> {
         anyhow::bail!("usage: resave_adapters MODEL_DIR ADAPTERS_DIR OUT_DIR");
     };
     let device = Device::flex();
-    let model = Model::from_dir(model_dir, &device)?;
+    let model = Model::from_path(model_dir, &device)?;
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
     manager.load_adapters(adapters_dir)?;
     manager.save_adapters(out)?;

@@ -1,10 +1,14 @@
-//! The library's typed errors. The binary adds context with `anyhow`.
+//! The library's typed errors, by layer: a value the user gave ([`TroupeError::BadValue`]: a
+//! config key, a `--set`, a field of a JSON file, an argument), the model and its files
+//! ([`ModelError`]), environments and rewards ([`EnvironmentError`]), and the run on disk and
+//! its training ([`RunError`]); plus the I/O and JSON failures every layer shares. The binary adds
+//! context with `anyhow`.
 
 use std::path::PathBuf;
 
 use thiserror::Error;
 
-/// Everything that can go wrong loading, building or running a model.
+/// Everything that can go wrong in troupe, by layer.
 #[derive(Debug, Error)]
 pub enum TroupeError {
     /// A file could not be read or written.
@@ -23,16 +27,35 @@ pub enum TroupeError {
         /// serde's message (names the field, line and column).
         message: String,
     },
-    /// A config field is missing or has a value troupe cannot use.
-    #[error("{path}: field `{field}`: {message}")]
-    ConfigField {
-        /// The config file.
-        path: PathBuf,
-        /// The field.
-        field: String,
-        /// What is wrong.
+    /// A value the user gave that troupe cannot use: a key of a YAML config or of `--set`
+    /// (`origin` the file), a field of a JSON file (`config.json`, `adapter_config.json`), a
+    /// setting named by its config key, or an argument of a library call. The message names the
+    /// key and what is wrong.
+    #[error("{}{message}", value_prefix(.origin, .key))]
+    BadValue {
+        /// The file the value came from, when there is one.
+        origin: Option<PathBuf>,
+        /// The dotted key or field (`training.group_size`, `agents.seats[2]`, `lora_alpha`);
+        /// empty when the whole document is at fault (a YAML syntax error).
+        key: String,
+        /// What is wrong (serde's message for a wrong type or an unknown field).
         message: String,
     },
+    /// The model: its config, weights, tokenizer, chat template or adapters.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// An environment, a coding protocol or a reward function.
+    #[error(transparent)]
+    Environment(#[from] EnvironmentError),
+    /// The run directory, its checkpoints, or a training step.
+    #[error(transparent)]
+    Run(#[from] RunError),
+}
+
+/// Loading and using the model: `config.json`, the weights (safetensors, GGUF), the tokenizer,
+/// the chat template, the agents' adapters.
+#[derive(Debug, Error)]
+pub enum ModelError {
     /// `model_type` names an architecture troupe does not implement.
     #[error("{path}: unsupported model_type {model_type:?} (supported: llama, qwen2, qwen3)")]
     UnsupportedModelType {
@@ -116,13 +139,19 @@ pub enum TroupeError {
         /// The adapter name asked for.
         name: String,
     },
+}
+
+/// Environments (built-in, plug-in or external), the coding task's protocols and reward
+/// functions.
+#[derive(Debug, Error)]
+pub enum EnvironmentError {
     /// An environment could not be built, reset or asked for a policy (its own typed error,
     /// chained).
     #[error("environment: {0}")]
-    Env(#[from] troupe_envs::EnvError),
+    Env(troupe_envs::EnvError),
     /// The coding task's inference-only protocols could not run.
     #[error(transparent)]
-    Protocol(#[from] troupe_envs::coding::protocols::ProtocolError),
+    Protocol(troupe_envs::coding::protocols::ProtocolError),
     /// An environment failed or refused a step inside a rollout or an evaluation.
     #[error("{env}: {message}")]
     EnvStep {
@@ -131,41 +160,12 @@ pub enum TroupeError {
         /// What it said, with the joint action, step and seed where known.
         message: String,
     },
-    /// A setting of the trainer, the rollouts or the evaluation (named by its config key) that
-    /// cannot be used as given.
-    #[error("`{key}`: {message}")]
-    Setting {
-        /// The config key (`action.mode`, `rewards.functions[0].weight`, `training.objective.kind`).
-        key: String,
-        /// What is wrong.
-        message: String,
-    },
     /// A reward function failed or gave a value the trainer cannot use.
     #[error("reward function `{function}`: {message}")]
     Reward {
         /// The reward function's name (`external <command>` for an external one).
         function: String,
         /// What went wrong.
-        message: String,
-    },
-    /// An argument of a library call is out of range (an empty batch, a token id beyond the vocab, ...).
-    #[error("invalid argument `{name}`: {message}")]
-    InvalidArgument {
-        /// The argument.
-        name: String,
-        /// What is wrong.
-        message: String,
-    },
-    /// A training config (YAML) is malformed, names an unknown key, or holds a value troupe
-    /// cannot use.
-    #[error("{}: {}{message}", .path.display(), key_prefix(.key))]
-    Config {
-        /// The config file (or `--set` for an override that is itself malformed).
-        path: PathBuf,
-        /// The dotted key (`training.group_size`, `agents.seats[2]`); empty when the whole
-        /// document is at fault (a YAML syntax error).
-        key: String,
-        /// What is wrong (serde's message for a wrong type or an unknown field).
         message: String,
     },
     /// A reward function reads an episode metric the environment does not report.
@@ -178,6 +178,11 @@ pub enum TroupeError {
         /// The metrics the episode has.
         known: String,
     },
+}
+
+/// A training run: its directory, checkpoints and lock, a training step, its plots.
+#[derive(Debug, Error)]
+pub enum RunError {
     /// A training checkpoint (or the run directory holding it) is missing, incomplete or
     /// malformed.
     #[error("{}: {message}", .path.display())]
@@ -211,12 +216,26 @@ pub enum TroupeError {
     },
 }
 
-/// `key: ` for a non-empty key, nothing for an empty one.
-fn key_prefix(key: &str) -> String {
-    if key.is_empty() {
-        String::new()
-    } else {
-        format!("{key}: ")
+impl From<troupe_envs::EnvError> for TroupeError {
+    fn from(err: troupe_envs::EnvError) -> Self {
+        Self::Environment(EnvironmentError::Env(err))
+    }
+}
+
+impl From<troupe_envs::coding::protocols::ProtocolError> for TroupeError {
+    fn from(err: troupe_envs::coding::protocols::ProtocolError) -> Self {
+        Self::Environment(EnvironmentError::Protocol(err))
+    }
+}
+
+/// What comes before a bad value's message: `FILE: KEY: `, `FILE: ` (an empty key), or
+/// `` `KEY`: `` (from no file).
+fn value_prefix(origin: &Option<PathBuf>, key: &str) -> String {
+    match (origin, key.is_empty()) {
+        (Some(path), true) => format!("{}: ", path.display()),
+        (Some(path), false) => format!("{}: {key}: ", path.display()),
+        (None, true) => String::new(),
+        (None, false) => format!("`{key}`: "),
     }
 }
 
@@ -229,23 +248,39 @@ impl TroupeError {
         Self::Io { path: path.into(), error: source }
     }
 
-    /// A [`TroupeError::Setting`] for config key `key`.
+    /// A [`TroupeError::BadValue`] of `key` in the file `origin`.
+    pub fn config(origin: impl Into<PathBuf>, key: impl Into<String>, message: impl Into<String>) -> Self {
+        Self::BadValue { origin: Some(origin.into()), key: key.into(), message: message.into() }
+    }
+
+    /// A [`TroupeError::BadValue`] of the setting `key` (a config key, from no file in
+    /// particular).
     pub fn setting(key: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Setting { key: key.into(), message: message.into() }
+        Self::BadValue { origin: None, key: key.into(), message: message.into() }
     }
 
-    /// A [`TroupeError::Reward`] of reward function `function`.
-    pub fn reward(function: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Reward { function: function.into(), message: message.into() }
-    }
-
-    /// A [`TroupeError::EnvStep`] of environment `env`.
-    pub fn env_step(env: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::EnvStep { env: env.into(), message: message.into() }
-    }
-
-    /// An [`TroupeError::InvalidArgument`].
+    /// A [`TroupeError::BadValue`] of the argument `name` of a library call.
     pub fn invalid(name: &str, message: impl Into<String>) -> Self {
-        Self::InvalidArgument { name: name.to_string(), message: message.into() }
+        Self::setting(name, message)
+    }
+
+    /// An [`EnvironmentError::Reward`] of reward function `function`.
+    pub fn reward(function: impl Into<String>, message: impl Into<String>) -> Self {
+        EnvironmentError::Reward { function: function.into(), message: message.into() }.into()
+    }
+
+    /// An [`EnvironmentError::EnvStep`] of environment `env`.
+    pub fn env_step(env: impl Into<String>, message: impl Into<String>) -> Self {
+        EnvironmentError::EnvStep { env: env.into(), message: message.into() }.into()
+    }
+
+    /// A [`RunError::NonFinite`].
+    pub fn non_finite(message: impl Into<String>) -> Self {
+        RunError::NonFinite { message: message.into() }.into()
+    }
+
+    /// A [`RunError::Checkpoint`] of `path`.
+    pub fn checkpoint(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        RunError::Checkpoint { path: path.into(), message: message.into() }.into()
     }
 }

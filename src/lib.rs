@@ -14,8 +14,9 @@ pub mod generate;
 pub mod model;
 pub mod profile;
 pub mod rl;
+mod section;
 
-pub use error::{Result, TroupeError};
+pub use error::{EnvironmentError, ModelError, Result, RunError, TroupeError};
 
 /// The environments crate, re-exported so a plug-in crate needs only `troupe` as a dependency.
 pub use troupe_envs;

@@ -11,7 +11,7 @@ use troupe::model::Model;
 fn base_logprobs_top5_and_greedy_match_transformers() {
     let device = common::test_device();
     for dir in fixture_models() {
-        let model = Model::from_dir(&dir, &device).unwrap();
+        let model = Model::from_path(&dir, &device).unwrap();
         let expected = expected(&dir);
         for case in expected["base"].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();

@@ -4,6 +4,7 @@
 //! turn fails with an error naming it and the offending message, within its time limit.
 
 use std::time::{Duration, Instant};
+use troupe::error::RunError;
 
 use burn::tensor::Device;
 use rand::{Rng, SeedableRng};
@@ -11,9 +12,8 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
 use troupe::adapters::{AdapterConfig, MultiAdapterManager};
 use troupe::generate::choice::ChoiceScore;
-use troupe::generate::SamplingConfig;
 use troupe::model::{Model, Preset};
-use troupe::rl::rollout::{episode_rngs, run_episodes, ActionMode, Fallback, RolloutConfig};
+use troupe::rl::rollout::{episode_rngs, run_episodes, ActionConfig, ActionMode, Fallback, RolloutConfig};
 use troupe_envs::batch::{reset_all, step_all};
 use troupe_envs::{Action, Environment, Registry};
 
@@ -103,15 +103,19 @@ fn served_games_play_move_by_move_as_in_process() {
 /// `choice`-mode rollout settings for the tiny model, episodes cut after `max_episode_steps`.
 fn choice_rollout(max_episode_steps: usize) -> RolloutConfig {
     RolloutConfig {
-        mode: ActionMode::Choice,
-        invalid_penalty: 0.0,
-        fallback: Fallback::Random,
-        max_retries: 0,
-        max_new_tokens: 8,
-        sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
-        chat_template: false,
+        action: ActionConfig {
+            mode: ActionMode::Choice,
+            invalid_penalty: 0.0,
+            fallback: Fallback::Random,
+            max_retries: 0,
+            max_new_tokens: 8,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            chat_template: false,
+            choice_score: ChoiceScore::Mean,
+        },
         max_episode_steps,
-        choice_score: ChoiceScore::Mean,
     }
 }
 
@@ -312,7 +316,7 @@ fn a_run_whose_environment_crashes_stops_clearly_and_resumes_from_its_last_check
     let mut attempts = 0;
     let mut resumed = loop {
         match TrainingRun::resume(&run_dir, &[], Registry::with_builtins(), &device) {
-            Err(troupe::error::TroupeError::RunInUse { holder, .. })
+            Err(troupe::error::TroupeError::Run(RunError::RunInUse { holder, .. }))
                 if holder == Some(std::process::id()) && attempts < 50 =>
             {
                 attempts += 1;
@@ -344,15 +348,15 @@ fn python_reward(dir: &std::path::Path, body: &str) -> Vec<String> {
     vec!["python3".to_string(), script.display().to_string()]
 }
 
-fn pipeline(command: Vec<String>) -> troupe::rl::rewards::RewardPipeline {
-    use troupe::rl::rewards::{RewardFunction, RewardPipeline, WeightedReward};
+fn pipeline(command: Vec<String>) -> troupe::rl::credit::rewards::RewardPipeline {
+    use troupe::rl::credit::rewards::{RewardFunction, RewardPipeline, WeightedReward};
     let external =
         WeightedReward { command, timeout_s: Some(5.0), ..WeightedReward::builtin(RewardFunction::External, 2.0) };
     RewardPipeline::new(vec![WeightedReward::builtin(RewardFunction::EnvReturn, 1.0), external], vec![]).unwrap()
 }
 
-fn item(seed: u64, a: &str, b: &str) -> troupe::rl::external_reward::RewardItem {
-    troupe::rl::external_reward::RewardItem {
+fn item(seed: u64, a: &str, b: &str) -> troupe::rl::credit::external_reward::RewardItem {
+    troupe::rl::credit::external_reward::RewardItem {
         seed,
         completions: vec![vec![a.to_string()], vec![b.to_string()]],
         prompts: vec![vec!["p0".to_string()], vec!["p1".to_string()]],
@@ -363,7 +367,7 @@ fn item(seed: u64, a: &str, b: &str) -> troupe::rl::external_reward::RewardItem 
 
 #[test]
 fn external_reward_functions_score_batches_and_their_faults_are_named() {
-    use troupe::rl::external_reward::ExternalRewards;
+    use troupe::rl::credit::external_reward::ExternalRewards;
     let dir = tempfile::tempdir().unwrap();
     // One number per episode goes to both seats; a list gives one per seat.
     let body = "return [len(a) - len(b) if item['seed'] % 2 else [len(a), len(b)] for a, b, item in zip(completions_agent0, completions_agent1, batch_items)]";
@@ -374,8 +378,12 @@ fn external_reward_functions_score_batches_and_their_faults_are_named() {
     // The pipeline adds the external value with its weight.
     let p = pipeline(vec!["unused".into()]);
     let metrics = [("score".to_string(), 0.0)].into_iter().collect();
-    let outcome =
-        troupe::rl::rewards::SeatOutcome { env_return: 1.0, invalid_actions: 0, metrics: &metrics, computed: &[0.25] };
+    let outcome = troupe::rl::credit::rewards::SeatOutcome {
+        env_return: 1.0,
+        invalid_actions: 0,
+        metrics: &metrics,
+        computed: &[0.25],
+    };
     assert_eq!(p.reward(&outcome).unwrap(), 1.5);
 
     for (body, expected) in [
@@ -390,8 +398,11 @@ fn external_reward_functions_score_batches_and_their_faults_are_named() {
         let err = rewards.score(&[item(1, "a", "b"), item(2, "c", "d")]).unwrap_err().to_string();
         assert!(err.contains(expected) && err.contains("reward_"), "{body}: {err}");
     }
-    let err = troupe::rl::rewards::RewardPipeline::new(
-        vec![troupe::rl::rewards::WeightedReward::builtin(troupe::rl::rewards::RewardFunction::External, 1.0)],
+    let err = troupe::rl::credit::rewards::RewardPipeline::new(
+        vec![troupe::rl::credit::rewards::WeightedReward::builtin(
+            troupe::rl::credit::rewards::RewardFunction::External,
+            1.0,
+        )],
         vec![],
     )
     .unwrap_err()

@@ -9,7 +9,7 @@ mod common;
 use burn::tensor::Device;
 use common::*;
 use troupe::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
-use troupe::model::{BaseFormat, ChatMessage, Model};
+use troupe::model::{ChatMessage, LoadOptions, Model};
 
 #[test]
 fn smollm2_q4_1_matches_transformers_gguf_loader() {
@@ -33,7 +33,7 @@ fn smollm2_q4_1_matches_transformers_gguf_loader() {
 
     // Kept quantized (`--quantized`: Q4_1 and Q8_0 blocks multiplied directly), held to the same
     // reference and tolerance as the dequantized base.
-    let quantized = Model::from_path_as(&path, &Device::flex(), BaseFormat::Quantized).unwrap();
+    let quantized = Model::load(&LoadOptions::path(&path).quantized(true), &Device::flex()).unwrap();
     for (form, model) in [("f32", &model), ("kept quantized", &quantized)] {
         check_cases(form, model, &expected);
     }

@@ -19,7 +19,7 @@ fn copy_fixture(dir: &Path) -> PathBuf {
 }
 
 fn load_error(dir: &Path) -> String {
-    Model::from_dir(dir, &Device::flex()).expect_err("loading must fail").to_string()
+    Model::from_path(dir, &Device::flex()).expect_err("loading must fail").to_string()
 }
 
 fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
@@ -113,8 +113,8 @@ fn sharded_checkpoint_loads_like_a_single_file() {
     )
     .unwrap();
     let device = Device::flex();
-    let sharded = Model::from_dir(&dir, &device).unwrap();
-    let single = Model::from_dir(&common::models_dir().join("tiny-llama"), &device).unwrap();
+    let sharded = Model::from_path(&dir, &device).unwrap();
+    let single = Model::from_path(&common::models_dir().join("tiny-llama"), &device).unwrap();
     let ids = single.tokenizer.encode("Player 1 hints red.").unwrap();
     let a = troupe::generate::score_rows(&sharded.lm, std::slice::from_ref(&ids), None).unwrap();
     let b = troupe::generate::score_rows(&single.lm, &[ids], None).unwrap();

@@ -15,7 +15,7 @@ use troupe::adapters::{AdamWConfig, AdamWState, MultiAdapterManager};
 use troupe::generate::{generate, next_token_logprobs, score_rows, GenerateOptions, SamplingConfig, ScoringBatch};
 use troupe::model::layers::LinearWeight;
 use troupe::model::quant::quantized_linear;
-use troupe::model::{BaseFormat, Model};
+use troupe::model::{BaseFormat, LoadOptions, Model};
 
 /// Kept quantized and dequantized, the base computes with the same weights (ggml's
 /// dequantization, bit for bit); with many rows per product (prefill, scoring, training: the
@@ -53,7 +53,7 @@ fn kept_quantized_gguf_matches_the_dequantized_base() {
     let device = Device::flex();
     for name in ["tiny-llama.gguf", "tiny-qwen2.gguf", "tiny-qwen3.gguf", "kquants-llama.gguf"] {
         let dense = Model::from_path(&gguf(name), &device).unwrap();
-        let quantized = Model::from_path_as(&gguf(name), &device, BaseFormat::Quantized).unwrap();
+        let quantized = Model::load(&LoadOptions::path(&gguf(name)).quantized(true), &device).unwrap();
         assert_eq!(quantized.lm.format(), BaseFormat::Quantized);
         assert!(matches!(quantized.lm.layers[0].self_attn.qkv_proj.weight, LinearWeight::Quantized(_)));
         let want = expected(name);
@@ -101,8 +101,8 @@ fn kept_quantized_gguf_matches_the_dequantized_base() {
 fn float_checkpoint_kept_as_q8_0_stays_close() {
     let device = Device::flex();
     let dir = models_dir().join("tiny-qwen2");
-    let dense = Model::from_dir(&dir, &device).unwrap();
-    let quantized = Model::from_dir_as(&dir, &device, BaseFormat::Quantized).unwrap();
+    let dense = Model::from_path(&dir, &device).unwrap();
+    let quantized = Model::load(&LoadOptions::path(&dir).quantized(true), &device).unwrap();
     let rows: Vec<Vec<u32>> = ["Player 1 hints red. Play card 0.", "North opens 1NT."]
         .iter()
         .map(|t| dense.tokenizer.encode(t).unwrap())
@@ -123,7 +123,7 @@ fn float_checkpoint_kept_as_q8_0_stays_close() {
 #[test]
 fn quantized_product_backward_is_dy_w() {
     let device = Device::flex();
-    let model = Model::from_path_as(&gguf("tiny-llama.gguf"), &device, BaseFormat::Quantized).unwrap();
+    let model = Model::load(&LoadOptions::path(&gguf("tiny-llama.gguf")).quantized(true), &device).unwrap();
     let LinearWeight::Quantized(weight) = &model.lm.layers[0].mlp.down_proj.weight else { panic!("kept quantized") };
     let [out, input] = weight.dims();
     let w = Tensor::<2>::from_data(TensorData::new(weight.dequantize(), [out, input]), &device);
@@ -170,7 +170,7 @@ fn lora_trains_on_the_quantized_base_and_its_adapters_load_on_the_dequantized_on
     let device = Device::flex();
     let path = gguf("tiny-qwen2.gguf");
     let dense = Model::from_path(&path, &device).unwrap();
-    let quantized = Model::from_path_as(&path, &device, BaseFormat::Quantized).unwrap();
+    let quantized = Model::load(&LoadOptions::path(&path).quantized(true), &device).unwrap();
     // The fixture's PEFT adapters (non-zero A and B, all seven projections on agent_0).
     let adapters = models_dir().join("tiny-qwen2").join("adapters");
     let mut on_quantized = MultiAdapterManager::for_model(&quantized);

@@ -5,10 +5,10 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use troupe::error::TroupeError;
-use troupe::rl::checkpoint::{checkpoint_dir, list_checkpoints, write_checkpoint_files, CHECKPOINTS_DIR};
+use troupe::error::{RunError, TroupeError};
 use troupe::rl::config::TrainConfig;
-use troupe::rl::metrics::{metrics_path, read_metrics, IterationMetrics};
+use troupe::rl::run::checkpoint::{checkpoint_dir, list_checkpoints, write_checkpoint_files, CHECKPOINTS_DIR};
+use troupe::rl::run::metrics::{metrics_path, read_metrics, IterationMetrics};
 use troupe::rl::run::TrainingRun;
 use troupe_envs::Registry;
 
@@ -165,7 +165,7 @@ fn a_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint() {
     }
     run.trainer.manager.set_adapter(0, adapter).unwrap();
     let err = run.run_iteration().expect_err("a NaN loss is an error");
-    assert!(matches!(err, TroupeError::NonFinite { .. }), "{err:?}");
+    assert!(matches!(err, TroupeError::Run(RunError::NonFinite { .. })), "{err:?}");
     let message = err.to_string();
     assert!(message.contains("iteration 2") && message.contains("NaN"), "{message}");
     assert_eq!(run.iteration(), 1, "the failed iteration does not count");
@@ -187,7 +187,7 @@ fn a_directory_holding_a_run_is_not_overwritten_and_resume_keeps_the_experiment(
     let err = try_start(config(&dir, 1, 1, &[])).err().unwrap().to_string();
     assert!(err.contains("already holds a run") && err.contains("--resume"), "{err}");
     let err = try_resume(&dir, &["training.lr=1.0"]).err().unwrap().to_string();
-    assert!(err.contains("training.lr") && err.contains("only run.iterations"), "{err}");
+    assert!(err.contains("training.optimizer.lr") && err.contains("only run.iterations"), "{err}");
     let err = try_resume(&tmp.path().join("nowhere"), &[]).err().unwrap().to_string();
     assert!(err.contains("not a run directory"), "{err}");
 }

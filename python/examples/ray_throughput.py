@@ -29,7 +29,7 @@ def config(iterations, preset):
         "run": {"iterations": iterations, "checkpoint_every": 1000, "seed": 1},
         "model": {"preset": preset},
         "action": {"max_new_tokens": 32, "temperature": 1.0, "top_p": 1.0},
-        "training": {"group_size": 4, "groups_per_iteration": 4, "lr": 1.0e-3, "warmup_iterations": 0},
+        "training": {"group_size": 4, "groups_per_iteration": 4, "optimizer": {"lr": 1.0e-3}, "warmup_iterations": 0},
     }
 
 

@@ -29,7 +29,7 @@ def small_config(iterations, **training):
     return {
         "run": {"iterations": iterations, "checkpoint_every": 100, "seed": 3},
         "action": {"max_new_tokens": 16},
-        "training": {"group_size": 4, "groups_per_iteration": 2, "lr": 5.0e-3, "warmup_iterations": 0, **training},
+        "training": {"group_size": 4, "groups_per_iteration": 2, "optimizer": {"lr": 5.0e-3}, "warmup_iterations": 0, **training},
         "eval": {"episodes": 16},
     }
 

@@ -28,7 +28,7 @@ def recording_trainer(path, log):
     config = {
         "run": {"iterations": 2, "checkpoint_every": 100, "seed": 5},
         "action": {"max_new_tokens": 12},
-        "training": {"group_size": 3, "groups_per_iteration": 2, "lr": 5.0e-3, "warmup_iterations": 0},
+        "training": {"group_size": 3, "groups_per_iteration": 2, "optimizer": {"lr": 5.0e-3}, "warmup_iterations": 0},
     }
     return troupe.MAGRPOTrainer(num_agents=2, reward_funcs=[reward], config=config, output_dir=path)
 

@@ -45,7 +45,7 @@ DEFAULT_CONFIG = {
     "env": {"name": "writing_tldr"},
     "agents": {"num_agents": 2, "mode": "per_agent"},
     "action": {"mode": "free", "max_new_tokens": 32},
-    "training": {"group_size": 4, "groups_per_iteration": 2, "lr": 1.0e-4, "warmup_iterations": 0},
+    "training": {"group_size": 4, "groups_per_iteration": 2, "warmup_iterations": 0},
     "eval": {"episodes": 16, "env": {"split": "test"}},
 }
 

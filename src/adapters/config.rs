@@ -3,39 +3,30 @@
 
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::error::{Result, TroupeError};
 use crate::model::Projection;
 
-/// The LoRA hyper-parameters of one adapter (PEFT's `LoraConfig` fields troupe uses).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AdapterConfig {
-    /// Rank `r` of the low-rank update.
-    pub r: usize,
-    /// `lora_alpha`: the update is scaled by alpha / r (or alpha / sqrt(r) with rsLoRA).
-    pub lora_alpha: f64,
-    /// The projections that get an update.
-    pub target_modules: Vec<Projection>,
-    /// Dropout on the adapter's input, in training only.
-    pub lora_dropout: f64,
-    /// rsLoRA scaling (alpha / sqrt(r)).
-    pub use_rslora: bool,
-    /// Recorded in `adapter_config.json` for deployment tools.
-    pub base_model_name_or_path: Option<String>,
-}
-
-impl Default for AdapterConfig {
-    fn default() -> Self {
-        Self {
-            r: 8,
-            lora_alpha: 16.0,
-            target_modules: vec![Projection::Q, Projection::K, Projection::V, Projection::O],
-            lora_dropout: 0.0,
-            use_rslora: false,
-            base_model_name_or_path: None,
-        }
+crate::section::config_section! {
+    /// The LoRA hyper-parameters of one adapter (PEFT's `LoraConfig` fields troupe uses); a
+    /// run's `adapter:` section, every agent's adapter.
+    pub struct AdapterConfig {
+        /// Rank `r` of the low-rank update.
+        pub r: usize = 8,
+        /// `lora_alpha`: the update is scaled by alpha / r (or alpha / sqrt(r) with rsLoRA).
+        pub lora_alpha: f64 = 16.0,
+        /// The projections that get an update (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+        /// `gate_proj`, `up_proj`, `down_proj`).
+        pub target_modules: Vec<Projection> = vec![Projection::Q, Projection::K, Projection::V, Projection::O],
+        /// Dropout on the adapter's input, in training only, in [0, 1).
+        pub lora_dropout: f64 = 0.0,
+        /// rsLoRA scaling (alpha / sqrt(r)).
+        pub use_rslora: bool = false,
+        /// Recorded in `adapter_config.json` for deployment tools (a run records its
+        /// `model.path`; not a key of the `adapter:` section).
+        #[serde(skip)]
+        pub base_model_name_or_path: Option<String> = None,
     }
 }
 
@@ -51,9 +42,9 @@ impl AdapterConfig {
 
     /// Checks ranges (rank positive, dropout in [0, 1), at least one target).
     pub fn validate(&self, origin: &Path) -> Result<()> {
-        let bad = |field: &str, message: String| TroupeError::ConfigField {
-            path: origin.to_path_buf(),
-            field: field.to_string(),
+        let bad = |field: &str, message: String| TroupeError::BadValue {
+            origin: Some(origin.to_path_buf()),
+            key: field.to_string(),
             message,
         };
         if self.r == 0 {
@@ -73,9 +64,9 @@ impl AdapterConfig {
 
     /// Parses a module name list from PEFT's `target_modules` (a list, or `"all-linear"`).
     pub fn parse_targets(value: &Value, origin: &Path) -> Result<Vec<Projection>> {
-        let bad = |message: String| TroupeError::ConfigField {
-            path: origin.to_path_buf(),
-            field: "target_modules".into(),
+        let bad = |message: String| TroupeError::BadValue {
+            origin: Some(origin.to_path_buf()),
+            key: "target_modules".into(),
             message,
         };
         let names: Vec<String> = match value {
@@ -110,9 +101,9 @@ impl AdapterConfig {
         let json: Value = serde_json::from_str(&text)
             .map_err(|e| TroupeError::Json { path: path.to_path_buf(), message: e.to_string() })?;
         let field = |name: &str| json.get(name).filter(|v| !v.is_null());
-        let bad = |name: &str, message: &str| TroupeError::ConfigField {
-            path: path.to_path_buf(),
-            field: name.to_string(),
+        let bad = |name: &str, message: &str| TroupeError::BadValue {
+            origin: Some(path.to_path_buf()),
+            key: name.to_string(),
             message: message.to_string(),
         };
         if let Some(kind) = field("peft_type").and_then(Value::as_str) {

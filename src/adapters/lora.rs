@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use super::config::AdapterConfig;
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 use crate::model::safetensors_io::HostTensor;
 use crate::model::{ModelConfig, Projection};
 
@@ -101,27 +101,29 @@ impl LoraAdapter {
     ) -> Result<Self> {
         let mut found: BTreeMap<Site, (Option<&HostTensor>, Option<&HostTensor>)> = BTreeMap::new();
         for (key, tensor) in tensors {
-            let (site, factor) = parse_peft_key(key).ok_or_else(|| TroupeError::Safetensors {
-                path: origin.to_path_buf(),
-                message: format!("unexpected tensor `{key}` (not a LoRA factor of a known module)"),
+            let (site, factor) = parse_peft_key(key).ok_or_else(|| {
+                TroupeError::Model(ModelError::Safetensors {
+                    path: origin.to_path_buf(),
+                    message: format!("unexpected tensor `{key}` (not a LoRA factor of a known module)"),
+                })
             })?;
             if site.0 >= base.num_hidden_layers {
-                return Err(TroupeError::Safetensors {
+                return Err(TroupeError::Model(ModelError::Safetensors {
                     path: origin.to_path_buf(),
                     message: format!(
                         "tensor `{key}` is for layer {} but the base model has {} layers (an adapter made for another base?)",
                         site.0, base.num_hidden_layers
                     ),
-                });
+                }));
             }
             if !config.target_modules.contains(&site.1) {
-                return Err(TroupeError::Safetensors {
+                return Err(TroupeError::Model(ModelError::Safetensors {
                     path: origin.to_path_buf(),
                     message: format!(
                         "tensor `{key}` targets {} which target_modules does not list",
                         site.1.module_name()
                     ),
-                });
+                }));
             }
             let entry = found.entry(site).or_default();
             if factor == 'A' {
@@ -138,17 +140,19 @@ impl LoraAdapter {
                 let (a, b) = found.get(&site).copied().unwrap_or((None, None));
                 let check = |tensor: Option<&HostTensor>, factor: char, expected: [usize; 2]| -> Result<Tensor<2>> {
                     let name = peft_key(site, factor);
-                    let tensor = tensor.ok_or_else(|| TroupeError::MissingTensor {
-                        path: origin.to_path_buf(),
-                        tensor: name.clone(),
+                    let tensor = tensor.ok_or_else(|| {
+                        TroupeError::Model(ModelError::MissingTensor {
+                            path: origin.to_path_buf(),
+                            tensor: name.clone(),
+                        })
                     })?;
                     if tensor.shape != expected {
-                        return Err(TroupeError::ShapeMismatch {
+                        return Err(TroupeError::Model(ModelError::ShapeMismatch {
                             path: origin.to_path_buf(),
                             tensor: name,
                             expected: expected.to_vec(),
                             got: tensor.shape.clone(),
-                        });
+                        }));
                     }
                     Ok(tensor.to_device(device))
                 };

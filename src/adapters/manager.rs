@@ -11,7 +11,7 @@ use super::config::AdapterConfig;
 use super::lora::LoraAdapter;
 use super::mixed::MixedLora;
 use super::peft::{read_adapters_dir, write_adapters_dir, AdapterMode, Manifest};
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 use crate::model::ModelConfig;
 
 /// The name of the adapter all agents use in shared mode.
@@ -122,7 +122,10 @@ impl MultiAdapterManager {
 
     fn unknown(&self, agent: usize) -> TroupeError {
         let known = self.agents.keys().map(|k| k.to_string()).collect::<Vec<_>>().join(", ");
-        TroupeError::UnknownAgent { agent, known: if known.is_empty() { "none".into() } else { known } }
+        TroupeError::Model(ModelError::UnknownAgent {
+            agent,
+            known: if known.is_empty() { "none".into() } else { known },
+        })
     }
 
     /// The adapter name of an agent.
@@ -269,9 +272,9 @@ impl MultiAdapterManager {
         super::peft::check_base(dir, manifest.base_fingerprint.as_deref(), self.base_fingerprint.as_deref());
         let mut agents = BTreeMap::new();
         for (id, name) in &manifest.agents {
-            let id: usize = id.parse().map_err(|_| TroupeError::ConfigField {
-                path: dir.join(super::peft::MANIFEST_FILE),
-                field: format!("agents.{id}"),
+            let id: usize = id.parse().map_err(|_| TroupeError::BadValue {
+                origin: Some(dir.join(super::peft::MANIFEST_FILE)),
+                key: format!("agents.{id}"),
                 message: "agent ids must be non-negative integers".into(),
             })?;
             agents.insert(id, name.clone());

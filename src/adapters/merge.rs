@@ -9,7 +9,7 @@ use std::path::Path;
 use burn::tensor::Device;
 
 use super::lora::LoraAdapter;
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 use crate::fsutil::write_dir_atomic;
 use crate::model::safetensors_io::{write_safetensors, HostTensor, TensorStore};
 use crate::model::weights::WeightSource;
@@ -35,7 +35,7 @@ fn gguf_side_files(path: &Path) -> Result<BaseParts> {
     let tokenizer_json = tokenizer
         .inner()
         .to_string(true)
-        .map_err(|e| TroupeError::Tokenizer { path: path.to_path_buf(), message: e.to_string() })?;
+        .map_err(|e| TroupeError::Model(ModelError::Tokenizer { path: path.to_path_buf(), message: e.to_string() }))?;
     let mut tokenizer_config = serde_json::json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": tokenizer.eos_token(),
@@ -70,17 +70,17 @@ pub fn merge_into_model_dir(model_path: &Path, adapter: &LoraAdapter, out: &Path
     let scale = adapter.config.scale();
     for ((layer, projection), pair) in &adapter.pairs {
         let name = format!("model.layers.{layer}.{}.weight", projection.path());
-        let weight = tensors
-            .get_mut(&name)
-            .ok_or_else(|| TroupeError::MissingTensor { path: model_dir.to_path_buf(), tensor: name.clone() })?;
+        let weight = tensors.get_mut(&name).ok_or_else(|| {
+            TroupeError::Model(ModelError::MissingTensor { path: model_dir.to_path_buf(), tensor: name.clone() })
+        })?;
         let delta = pair.b.clone().to_device(device).matmul(pair.a.clone().to_device(device)) * scale;
         if delta.dims().as_slice() != weight.shape.as_slice() {
-            return Err(TroupeError::ShapeMismatch {
+            return Err(TroupeError::Model(ModelError::ShapeMismatch {
                 path: model_dir.to_path_buf(),
                 tensor: name,
                 expected: delta.dims().to_vec(),
                 got: weight.shape.clone(),
-            });
+            }));
         }
         let delta: Vec<f32> = delta.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 tensor");
         for (w, d) in weight.values.iter_mut().zip(delta) {

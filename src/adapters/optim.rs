@@ -6,30 +6,23 @@
 use std::collections::BTreeMap;
 
 use burn::tensor::{Gradients, Tensor};
-use serde::{Deserialize, Serialize};
 
 use super::lora::{LoraAdapter, LoraPair, Site};
 
-/// AdamW hyper-parameters: PyTorch's betas and epsilon; no weight decay, as TRL's and
-/// transformers' trainers default (troupe's config takes its defaults from here).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AdamWConfig {
-    /// Peak learning rate.
-    pub lr: f64,
-    /// First-moment decay.
-    pub beta1: f64,
-    /// Second-moment decay.
-    pub beta2: f64,
-    /// Added to the denominator.
-    pub eps: f64,
-    /// Decoupled weight decay.
-    pub weight_decay: f64,
-}
-
-impl Default for AdamWConfig {
-    fn default() -> Self {
-        Self { lr: 1e-4, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+crate::section::config_section! {
+    /// AdamW hyper-parameters: PyTorch's betas and epsilon; no weight decay, as TRL's and
+    /// transformers' trainers default. A run's `training.optimizer:` section.
+    pub struct AdamWConfig {
+        /// Peak learning rate (after the warm-up; `training.lr_final_fraction` sets the decay).
+        pub lr: f64 = 1e-4,
+        /// First-moment decay, in [0, 1).
+        pub beta1: f64 = 0.9,
+        /// Second-moment decay, in [0, 1).
+        pub beta2: f64 = 0.999,
+        /// Added to the denominator.
+        pub eps: f64 = 1e-8,
+        /// Decoupled weight decay.
+        pub weight_decay: f64 = 0.0,
     }
 }
 

@@ -188,7 +188,7 @@ pub fn run(command: EnvCommand, registry: &Registry) -> anyhow::Result<()> {
 
 /// `--episodes` of `env bench` / `env record`: at least 1, and few enough to hold in memory.
 fn check_episodes(episodes: usize) -> anyhow::Result<()> {
-    let limit = crate::rl::limits::MAX_EPISODES;
+    let limit = crate::rl::config::validate::MAX_EPISODES;
     if episodes == 0 {
         bail!("--episodes 0: give at least 1 episode");
     }

@@ -8,9 +8,9 @@ use clap::Args;
 use troupe_envs::Registry;
 
 use crate::adapters::MultiAdapterManager;
-use crate::rl::checkpoint::{latest_checkpoint, ADAPTERS_DIR};
 use crate::rl::config::TrainConfig;
 use crate::rl::eval::evaluate;
+use crate::rl::run::checkpoint::{latest_checkpoint, ADAPTERS_DIR};
 use crate::rl::run::load_model;
 
 /// Arguments of `troupe eval`.
@@ -59,7 +59,7 @@ pub fn resolve_adapters_dir(path: &Path) -> anyhow::Result<PathBuf> {
 /// Evaluates with the environments and policies of `registry`; prints the summary as JSON.
 pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Registry) -> anyhow::Result<()> {
     if let Some(episodes) = args.episodes {
-        let limit = crate::rl::limits::MAX_EPISODES;
+        let limit = crate::rl::config::validate::MAX_EPISODES;
         if episodes == 0 || episodes > limit {
             anyhow::bail!("--episodes {episodes}: give between 1 and {limit} episodes");
         }

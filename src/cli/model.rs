@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::adapters::adapter_delta;
 use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
-use crate::model::{builtin, BaseFormat, ChatMessage, Model, Preset, ProjectionDelta};
+use crate::model::{builtin, ChatMessage, LoadOptions, Model, Preset, ProjectionDelta};
 
 /// `troupe init-model`: write the built-in model as a Hugging Face directory.
 #[derive(Debug, Args)]
@@ -116,7 +116,8 @@ pub fn init_model(args: InitModelArgs) -> Result<()> {
 }
 
 fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device, quantized: bool) -> Result<Model> {
-    Model::from_dir_or_default_as(model, device, BaseFormat::from_flag(quantized)).with_context(|| match model {
+    let options = LoadOptions { path: model.map(std::path::Path::to_path_buf), quantized, ..LoadOptions::default() };
+    Model::load(&options, device).with_context(|| match model {
         Some(path) => format!("loading model {}", path.display()),
         None => "building the built-in model".to_string(),
     })

@@ -1,5 +1,5 @@
 //! `troupe plot RUN_DIR`: learning curves of a run to `RUN_DIR/plots/*.png`. The drawing is in
-//! [`crate::rl::plot`]; this file reads the argument and prints the JSON list of PNGs.
+//! [`crate::rl::run::plot`]; this file reads the argument and prints the JSON list of PNGs.
 
 use std::path::PathBuf;
 
@@ -16,8 +16,8 @@ pub struct PlotArgs {
 
 /// Draws the run's curves; prints `{"plots": [...]}` to stdout.
 pub fn run(args: PlotArgs) -> anyhow::Result<()> {
-    let written =
-        crate::rl::plot::plot_run(&args.run_dir).with_context(|| format!("plotting run {}", args.run_dir.display()))?;
+    let written = crate::rl::run::plot::plot_run(&args.run_dir)
+        .with_context(|| format!("plotting run {}", args.run_dir.display()))?;
     println!("{}", json!({ "plots": written }));
     Ok(())
 }

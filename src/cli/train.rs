@@ -12,16 +12,16 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use troupe_envs::Registry;
 
-use crate::error::TroupeError;
+use crate::error::{RunError, TroupeError};
 use crate::rl::config::TrainConfig;
-use crate::rl::metrics::IterationMetrics;
+use crate::rl::run::metrics::IterationMetrics;
 use crate::rl::run::TrainingRun;
 
 /// Arguments of `troupe train`.
 #[derive(Debug, Args)]
 pub struct TrainArgs {
     /// The run's YAML config (`configs/hanabi.yaml`, ...).
-    #[arg(long, required_unless_present = "resume", conflicts_with = "resume")]
+    #[arg(long, required_unless_present_any = ["resume", "print_config"], conflicts_with = "resume")]
     pub config: Option<PathBuf>,
     /// Override a config value, `key.path=value` (repeatable; YAML value). With `--resume`, only
     /// `run.iterations`, `run.checkpoint_every` and `run.log_every`.
@@ -34,7 +34,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub quiet: bool,
     /// Print the resolved config (the file and every `--set`, with every default written out)
-    /// as YAML on stdout, and train nothing.
+    /// as YAML on stdout, and train nothing; without `--config`, every key at its default.
     #[arg(long)]
     pub print_config: bool,
     /// Keep the base quantized: `--set model.quantized=true`.
@@ -59,7 +59,7 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
         let config = match (&args.resume, &args.config) {
             (Some(run_dir), _) => TrainConfig::from_run_dir(run_dir, &registry)?,
             (None, Some(path)) => TrainConfig::from_yaml_file(path, &set, &registry)?,
-            (None, None) => anyhow::bail!("give --config FILE, or --resume RUN_DIR"),
+            (None, None) => TrainConfig::from_yaml_str("", std::path::Path::new("--set"), &set, &registry)?,
         };
         print!("{}", config.to_yaml()?);
         return Ok(());
@@ -110,7 +110,9 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
                     run.run_dir.display()
                 );
                 return Err(match err {
-                    TroupeError::NonFinite { message } => anyhow::anyhow!("training stopped: {message}; {hint}"),
+                    TroupeError::Run(RunError::NonFinite { message }) => {
+                        anyhow::anyhow!("training stopped: {message}; {hint}")
+                    }
                     other => anyhow::Error::new(other).context(format!("training stopped; {hint}")),
                 });
             }
@@ -147,7 +149,7 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
     if args.profile {
         eprint!("{}", profile_table(&profiled));
     }
-    let plots = match crate::rl::plot::plot_run(&run.run_dir) {
+    let plots = match crate::rl::run::plot::plot_run(&run.run_dir) {
         Ok(paths) => paths,
         Err(err) => {
             tracing::warn!("no plots: {err}");

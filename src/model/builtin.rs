@@ -17,7 +17,7 @@ use super::config::{ModelConfig, ModelType};
 use super::safetensors_io::{write_safetensors, HostTensor};
 use super::tokenizer::TextTokenizer;
 use super::weights::MemoryWeights;
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 use crate::fsutil::write_atomic;
 
 /// Text the built-in tokenizer's merges are learned from: game talk, prose and Python.
@@ -73,7 +73,9 @@ impl Preset {
 /// Trains the built-in byte-level BPE tokenizer on the embedded corpus (deterministic).
 pub fn build_tokenizer() -> Result<Tokenizer> {
     let origin = PathBuf::from("<built-in tokenizer>");
-    let error = |e: tokenizers::Error| TroupeError::Tokenizer { path: origin.clone(), message: e.to_string() };
+    let error = |e: tokenizers::Error| {
+        TroupeError::Model(ModelError::Tokenizer { path: origin.clone(), message: e.to_string() })
+    };
     let mut tokenizer = Tokenizer::new(BPE::default());
     tokenizer.with_pre_tokenizer(Some(ByteLevel::new(false, false, true)));
     tokenizer.with_decoder(Some(ByteLevel::default()));
@@ -158,9 +160,9 @@ pub fn write_model_dir(out: &Path, preset: Preset, seed: u64) -> Result<()> {
     let weights = init_weights(&config, seed);
     let tokenizer = build_tokenizer()?;
     let json = |value: &serde_json::Value| serde_json::to_vec_pretty(value).expect("JSON values serialize");
-    let tokenizer_json = tokenizer
-        .to_string(true)
-        .map_err(|e| TroupeError::Tokenizer { path: out.join("tokenizer.json"), message: e.to_string() })?;
+    let tokenizer_json = tokenizer.to_string(true).map_err(|e| {
+        TroupeError::Model(ModelError::Tokenizer { path: out.join("tokenizer.json"), message: e.to_string() })
+    })?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     write_safetensors(&out.join("model.safetensors"), &weights.tensors, Some(metadata))?;
     write_atomic(&out.join("tokenizer.json"), tokenizer_json.as_bytes())?;

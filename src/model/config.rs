@@ -6,7 +6,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 
 /// The architectures troupe implements (`model_type` in `config.json`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,9 +120,9 @@ impl ModelConfig {
     pub fn from_json_str(text: &str, path: &Path) -> Result<Self> {
         let raw: RawConfig = serde_json::from_str(text)
             .map_err(|e| TroupeError::Json { path: path.to_path_buf(), message: e.to_string() })?;
-        let field_error = |field: &str, message: &str| TroupeError::ConfigField {
-            path: path.to_path_buf(),
-            field: field.to_string(),
+        let field_error = |field: &str, message: &str| TroupeError::BadValue {
+            origin: Some(path.to_path_buf()),
+            key: field.to_string(),
             message: message.to_string(),
         };
         let required = |value: Option<usize>, field: &str| -> Result<usize> {
@@ -138,7 +138,10 @@ impl ModelConfig {
             "qwen2" => ModelType::Qwen2,
             "qwen3" => ModelType::Qwen3,
             _ => {
-                return Err(TroupeError::UnsupportedModelType { path: path.to_path_buf(), model_type: model_type_name })
+                return Err(TroupeError::Model(ModelError::UnsupportedModelType {
+                    path: path.to_path_buf(),
+                    model_type: model_type_name,
+                }))
             }
         };
         if let Some(act) = &raw.hidden_act {
@@ -206,9 +209,9 @@ impl ModelConfig {
     /// `rope_theta` from the top level (4.x) or `rope_parameters` (5.x); only the default
     /// (unscaled) rotary embedding is implemented, so a scaling type is refused by name.
     fn rope_theta(raw: &RawConfig, path: &Path) -> Result<f64> {
-        let field_error = |field: &str, message: String| TroupeError::ConfigField {
-            path: path.to_path_buf(),
-            field: field.to_string(),
+        let field_error = |field: &str, message: String| TroupeError::BadValue {
+            origin: Some(path.to_path_buf()),
+            key: field.to_string(),
             message,
         };
         for (field, params) in [("rope_parameters", &raw.rope_parameters), ("rope_scaling", &raw.rope_scaling)] {

@@ -9,6 +9,7 @@ pub mod fused;
 pub mod gguf;
 pub mod inspect;
 pub mod layers;
+pub mod load;
 pub mod quant;
 pub mod safetensors_io;
 pub mod tokenizer;
@@ -22,6 +23,7 @@ use burn::tensor::Device;
 pub use builtin::Preset;
 pub use config::{ModelConfig, ModelType};
 pub use layers::{Projection, ProjectionDelta};
+pub use load::LoadOptions;
 pub use quant::BaseFormat;
 pub use tokenizer::{ChatMessage, TextTokenizer};
 pub use transformer::{AttentionLayout, CausalLm, ForwardArgs, KvCache, SequenceLayout};
@@ -43,85 +45,58 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads a Hugging Face model directory, or a GGUF file, onto `device`.
-    pub fn from_path(path: &Path, device: &Device) -> Result<Self> {
-        Self::from_path_as(path, device, BaseFormat::F32)
-    }
-
-    /// [`Model::from_path`] with the base in `format` (f32, or kept quantized).
-    pub fn from_path_as(path: &Path, device: &Device, format: BaseFormat) -> Result<Self> {
+    /// Loads the model `options` name onto `device`: a Hugging Face model directory or a GGUF
+    /// file, or the built-in model of a preset and seed; the base in f32 or kept quantized (a
+    /// GGUF file's own block types, Q8_0 made from float weights). `options.device` is the
+    /// caller's to parse ([`crate::device::parse_device`]).
+    pub fn load(options: &LoadOptions, device: &Device) -> Result<Self> {
+        let format = options.format();
+        let Some(path) = &options.path else {
+            let preset = options.preset().map_err(|message| TroupeError::BadValue {
+                origin: None,
+                key: "model.preset".to_string(),
+                message,
+            })?;
+            let config = preset.config();
+            let weights = builtin::init_weights(&config, options.seed);
+            let source: &dyn WeightSource = &weights;
+            let lm = CausalLm::load_as(config, &WeightLoader { source, device, format })?;
+            return Ok(Self { lm, tokenizer: builtin::builtin_tokenizer()?, dir: None });
+        };
         if gguf::is_gguf_path(path) {
-            Self::from_gguf_as(path, device, format)
-        } else {
-            Self::from_dir_as(path, device, format)
+            let (config, tokenizer, weights) = gguf::open(path)?;
+            let lm = CausalLm::load_as(config, &WeightLoader { source: &weights, device, format })?;
+            return Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) });
         }
-    }
-
-    /// Loads a GGUF file onto `device`, its weights dequantized to f32.
-    pub fn from_gguf(path: &Path, device: &Device) -> Result<Self> {
-        Self::from_gguf_as(path, device, BaseFormat::F32)
-    }
-
-    /// [`Model::from_gguf`] with the base in `format` (kept quantized: in the file's own types).
-    pub fn from_gguf_as(path: &Path, device: &Device, format: BaseFormat) -> Result<Self> {
-        let (config, tokenizer, weights) = gguf::open(path)?;
-        let lm = CausalLm::load_as(config, &WeightLoader { source: &weights, device, format })?;
-        Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) })
-    }
-
-    /// Loads a Hugging Face model directory onto `device`.
-    pub fn from_dir(dir: &Path, device: &Device) -> Result<Self> {
-        Self::from_dir_as(dir, device, BaseFormat::F32)
-    }
-
-    /// [`Model::from_dir`] with the base in `format` (kept quantized: Q8_0 made from its floats).
-    pub fn from_dir_as(dir: &Path, device: &Device, format: BaseFormat) -> Result<Self> {
-        if dir.is_file() {
+        if path.is_file() {
             return Err(TroupeError::io(
-                dir,
+                path,
                 std::io::Error::new(
                     std::io::ErrorKind::InvalidInput,
                     "is a file but not a GGUF file (a model is a Hugging Face directory or a .gguf file)",
                 ),
             ));
         }
-        if !dir.is_dir() {
+        if !path.is_dir() {
             return Err(TroupeError::io(
-                dir,
+                path,
                 std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
             ));
         }
-        let config = ModelConfig::from_file(&dir.join("config.json"))?;
-        let store = TensorStore::open_model_dir(dir)?;
-        let tokenizer = TextTokenizer::from_model_dir(dir, &config.eos_token_ids)?;
+        let config = ModelConfig::from_file(&path.join("config.json"))?;
+        let store = TensorStore::open_model_dir(path)?;
+        let tokenizer = TextTokenizer::from_model_dir(path, &config.eos_token_ids)?;
         let lm = CausalLm::load_as(config, &WeightLoader { source: &store, device, format })?;
-        Ok(Self { lm, tokenizer, dir: Some(dir.to_path_buf()) })
+        Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) })
     }
 
-    /// The built-in model of `preset`, initialised from `seed`, in memory.
+    /// A Hugging Face model directory or a GGUF file, its base in f32 ([`Model::load`]).
+    pub fn from_path(path: &Path, device: &Device) -> Result<Self> {
+        Self::load(&LoadOptions::path(path), device)
+    }
+
+    /// The built-in model of `preset`, initialised from `seed`, in f32 ([`Model::load`]).
     pub fn builtin(preset: Preset, seed: u64, device: &Device) -> Result<Self> {
-        Self::builtin_as(preset, seed, device, BaseFormat::F32)
-    }
-
-    /// [`Model::builtin`] with the base in `format` (kept quantized: Q8_0 made from its floats).
-    pub fn builtin_as(preset: Preset, seed: u64, device: &Device, format: BaseFormat) -> Result<Self> {
-        let config = preset.config();
-        let weights = builtin::init_weights(&config, seed);
-        let source: &dyn WeightSource = &weights;
-        let lm = CausalLm::load_as(config, &WeightLoader { source, device, format })?;
-        Ok(Self { lm, tokenizer: builtin::builtin_tokenizer()?, dir: None })
-    }
-
-    /// `from_path` when a path is given, else the tiny built-in model with seed 0.
-    pub fn from_dir_or_default(dir: Option<&Path>, device: &Device) -> Result<Self> {
-        Self::from_dir_or_default_as(dir, device, BaseFormat::F32)
-    }
-
-    /// [`Model::from_dir_or_default`] with the base in `format`.
-    pub fn from_dir_or_default_as(dir: Option<&Path>, device: &Device, format: BaseFormat) -> Result<Self> {
-        match dir {
-            Some(dir) => Self::from_path_as(dir, device, format),
-            None => Self::builtin_as(Preset::Tiny, 0, device, format),
-        }
+        Self::load(&LoadOptions::builtin(preset, seed), device)
     }
 }

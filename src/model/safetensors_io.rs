@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use safetensors::tensor::{Dtype, Metadata};
 use safetensors::SafeTensors;
 
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 use crate::fsutil::write_atomic;
 
 /// One safetensors file held in memory with its parsed (and validated) header.
@@ -60,9 +60,9 @@ impl TensorStore {
             let text = std::fs::read_to_string(&index_path).map_err(|e| TroupeError::io(&index_path, e))?;
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| TroupeError::Json { path: index_path.clone(), message: e.to_string() })?;
-            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| TroupeError::ConfigField {
-                path: index_path.clone(),
-                field: "weight_map".into(),
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| TroupeError::BadValue {
+                origin: Some(index_path.clone()),
+                key: "weight_map".into(),
                 message: "missing or not an object".into(),
             })?;
             let mut shards: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
@@ -86,8 +86,9 @@ impl TensorStore {
         let mut index = HashMap::new();
         for (file_index, path) in paths.iter().enumerate() {
             let bytes = std::fs::read(path).map_err(|e| TroupeError::io(path, e))?;
-            let (header_len, metadata) = SafeTensors::read_metadata(&bytes)
-                .map_err(|e| TroupeError::Safetensors { path: path.clone(), message: describe_error(&e) })?;
+            let (header_len, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| {
+                TroupeError::Model(ModelError::Safetensors { path: path.clone(), message: describe_error(&e) })
+            })?;
             for name in metadata.tensors().keys() {
                 index.insert(name.clone(), file_index);
             }
@@ -127,25 +128,28 @@ impl TensorStore {
 
     /// Reads a tensor as f32, checking its shape when `expected` is given.
     pub fn read(&self, name: &str, expected: Option<&[usize]>) -> Result<HostTensor> {
-        let missing = || TroupeError::MissingTensor { path: self.origin.clone(), tensor: name.to_string() };
+        let missing =
+            || TroupeError::Model(ModelError::MissingTensor { path: self.origin.clone(), tensor: name.to_string() });
         let file = &self.files[*self.index.get(name).ok_or_else(missing)?];
         let info = file.metadata.info(name).ok_or_else(missing)?;
         if let Some(expected) = expected {
             if info.shape != expected {
-                return Err(TroupeError::ShapeMismatch {
+                return Err(TroupeError::Model(ModelError::ShapeMismatch {
                     path: file.path.clone(),
                     tensor: name.to_string(),
                     expected: expected.to_vec(),
                     got: info.shape.clone(),
-                });
+                }));
             }
         }
         let start = 8 + file.header_len + info.data_offsets.0;
         let end = 8 + file.header_len + info.data_offsets.1;
         let raw = &file.bytes[start..end];
-        let values = decode_f32(raw, info.dtype).ok_or_else(|| TroupeError::Safetensors {
-            path: file.path.clone(),
-            message: format!("tensor `{name}` has dtype {:?}; troupe reads F32, F16 and BF16", info.dtype),
+        let values = decode_f32(raw, info.dtype).ok_or_else(|| {
+            TroupeError::Model(ModelError::Safetensors {
+                path: file.path.clone(),
+                message: format!("tensor `{name}` has dtype {:?}; troupe reads F32, F16 and BF16", info.dtype),
+            })
         })?;
         Ok(HostTensor { values, shape: info.shape.clone() })
     }
@@ -199,8 +203,9 @@ pub fn write_safetensors(
             (name.clone(), view)
         })
         .collect();
-    let serialized = safetensors::serialize(views, metadata)
-        .map_err(|e| TroupeError::Safetensors { path: path.to_path_buf(), message: e.to_string() })?;
+    let serialized = safetensors::serialize(views, metadata).map_err(|e| {
+        TroupeError::Model(ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() })
+    })?;
     write_atomic(path, &serialized)
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::config::parse_token_ids;
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 
 /// One chat message (`{"role": ..., "content": ...}`), as chat templates expect.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -78,7 +78,7 @@ impl TextTokenizer {
         let path = dir.join("tokenizer.json");
         let bytes = std::fs::read(&path).map_err(|e| TroupeError::io(&path, e))?;
         let inner = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| TroupeError::Tokenizer { path: path.clone(), message: e.to_string() })?;
+            .map_err(|e| TroupeError::Model(ModelError::Tokenizer { path: path.clone(), message: e.to_string() }))?;
         let tokenizer_config = read_optional_json(&dir.join("tokenizer_config.json"))?;
         let generation_config = read_optional_json(&dir.join("generation_config.json"))?;
         let mut eos: Vec<u32> =
@@ -158,17 +158,16 @@ impl TextTokenizer {
     /// Encodes text without adding special tokens (special tokens written in the text, such as
     /// `<|im_start|>`, are still recognised).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        self.inner
-            .encode(text, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| TroupeError::Tokenizer { path: self.origin.clone(), message: e.to_string() })
+        self.inner.encode(text, false).map(|e| e.get_ids().to_vec()).map_err(|e| {
+            TroupeError::Model(ModelError::Tokenizer { path: self.origin.clone(), message: e.to_string() })
+        })
     }
 
     /// Decodes ids to text, dropping special tokens when `skip_special`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| TroupeError::Tokenizer { path: self.origin.clone(), message: e.to_string() })
+        self.inner.decode(ids, skip_special).map_err(|e| {
+            TroupeError::Model(ModelError::Tokenizer { path: self.origin.clone(), message: e.to_string() })
+        })
     }
 
     /// Whether `id` ends a generation.
@@ -186,7 +185,7 @@ impl TextTokenizer {
         env.add_function("raise_exception", |message: String| -> std::result::Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
         });
-        let error = |e: minijinja::Error| TroupeError::ChatTemplate { message: e.to_string() };
+        let error = |e: minijinja::Error| TroupeError::Model(ModelError::ChatTemplate { message: e.to_string() });
         env.add_template("chat", template).map_err(error)?;
         let rendered = env
             .get_template("chat")

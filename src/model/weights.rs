@@ -8,7 +8,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::gguf::BlockMatrix;
 use super::safetensors_io::{HostTensor, TensorStore};
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 
 /// A name -> tensor source with shape checking.
 pub trait WeightSource {
@@ -46,17 +46,16 @@ pub struct MemoryWeights {
 impl WeightSource for MemoryWeights {
     fn read(&self, name: &str, shape: &[usize]) -> Result<HostTensor> {
         let origin = PathBuf::from("<built-in model>");
-        let tensor = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| TroupeError::MissingTensor { path: origin.clone(), tensor: name.to_string() })?;
+        let tensor = self.tensors.get(name).ok_or_else(|| {
+            TroupeError::Model(ModelError::MissingTensor { path: origin.clone(), tensor: name.to_string() })
+        })?;
         if tensor.shape != shape {
-            return Err(TroupeError::ShapeMismatch {
+            return Err(TroupeError::Model(ModelError::ShapeMismatch {
                 path: origin,
                 tensor: name.to_string(),
                 expected: shape.to_vec(),
                 got: tensor.shape.clone(),
-            });
+            }));
         }
         Ok(tensor.clone())
     }

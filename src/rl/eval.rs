@@ -10,14 +10,41 @@ use serde::Serialize;
 use troupe_envs::policy::Policy;
 use troupe_envs::{Registry, SeatId};
 
-use super::advantage::mean_std;
 use super::config::{ActionMode, TrainConfig};
+use super::credit::advantage::mean_std;
 use super::protocol_writer::run_protocol;
-use super::rollout::{episode_rngs, make_env, run_episodes_with_baselines, EpisodeRecord};
+use super::rollout::{episode_rngs, make_env, EpisodeRecord, Rollout};
 use crate::adapters::MultiAdapterManager;
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
 use troupe_envs::coding::protocols::{is_coding_task, CodingProtocol, ProtocolSetup, ProtocolSummary};
+
+crate::section::config_section! {
+    /// `eval:` — evaluation episodes on held-out seeds.
+    pub struct EvalConfig {
+        /// Episodes per evaluation.
+        pub episodes: usize = 20,
+        /// Seed of the first evaluation episode (episode i uses `seed + i`), away from
+        /// training's.
+        pub seed: u64 = 1_000_000,
+        /// Seats played by a baseline policy instead of their agent: seat -> policy name
+        /// (`random`, `rule`, `canonical`).
+        pub baseline_seats: BTreeMap<usize, String> = BTreeMap::new(),
+        /// Evaluation episodes end after this many steps; `null` (the default) plays them to the
+        /// end, as the references score games (a training move cap is
+        /// `training.max_episode_steps`).
+        pub max_episode_steps: Option<usize> = None,
+        /// During training, a held-out evaluation every this many iterations (0: none), on the
+        /// same `every_episodes` deals each time, written to `metrics.jsonl` as `eval_score` and
+        /// `eval_score_stderr`.
+        pub every: usize = 0,
+        /// Episodes of each evaluation during training.
+        pub every_episodes: usize = 32,
+        /// Environment parameters that differ in evaluation, merged over `env:` (e.g. `{split:
+        /// test}`: the held-out prompts of a text task).
+        pub env: serde_json::Map<String, serde_json::Value> = serde_json::Map::new(),
+    }
+}
 
 /// A mean with its standard error (sample std / sqrt(n)).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -91,16 +118,8 @@ pub fn play_held_out(
     for chunk in seeds.chunks(config.runtime.eval_batch_episodes.max(1)) {
         let mut rngs = episode_rngs(config.eval.seed, records.len(), chunk.len());
         let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
-        records.extend(run_episodes_with_baselines(
-            model,
-            manager,
-            &mut envs,
-            chunk,
-            &config.agents.seats,
-            baselines,
-            &rollout,
-            &mut rngs,
-        )?);
+        let play = Rollout { model, manager, seat_agents: &config.agents.seats, config: &rollout };
+        records.extend(play.play(&mut envs, chunk, baselines, &mut rngs)?);
     }
     Ok(records)
 }
@@ -171,7 +190,7 @@ pub fn evaluate(
         let mut summaries = Vec::with_capacity(CodingProtocol::ALL.len());
         let mut rng = ChaCha8Rng::seed_from_u64(config.eval.seed);
         for protocol in CodingProtocol::ALL {
-            summaries.push(run_protocol(model, manager, &setup, protocol, &rollout, &mut rng)?);
+            summaries.push(run_protocol(model, manager, &setup, protocol, &rollout.action, &mut rng)?);
         }
         Some(summaries)
     } else {
@@ -223,8 +242,7 @@ mod tests {
         // The training cap of 2 moves does not apply: every game runs to its end (three lost
         // lives at the least, so at least 3 moves).
         assert!(summary["mean_steps"].as_f64().unwrap() >= 3.0, "{summary}");
-        let other =
-            TrainConfig { eval: crate::rl::config::EvalSection { seed: 78, ..config.eval.clone() }, ..config.clone() };
+        let other = TrainConfig { eval: EvalConfig { seed: 78, ..config.eval.clone() }, ..config.clone() };
         let mut moved = evaluate(&model, &manager, &other, 3, &registry).unwrap();
         moved.seconds = 0.0;
         assert_ne!(serde_json::to_string(&moved).unwrap(), first, "other deals, another summary");

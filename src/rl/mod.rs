@@ -1,26 +1,24 @@
-//! Training (DESIGN.md, "Training (MAGRPO)"): the run's config, batched rollouts, rewards and
-//! reward processors, credit assignment, the policy loss, the trainer's iteration, metrics and
-//! learning-curve plots.
+//! Training (DESIGN.md, "Training (MAGRPO)"; `docs/ARCHITECTURE.md` walks it in data-flow
+//! order). The folders are the stages:
+//!
+//! - [`config`]: the run's YAML config (sections, validation, `--set` overrides, the resume
+//!   guard, checks against the model);
+//! - [`rollout`]: batched episodes, one action mode per config ([`rollout::action`]);
+//! - [`credit`]: rewards and reward processors, shaping, returns and advantages, the
+//!   [`credit::batch::TrainBatch`] the update trains on;
+//! - [`update`] and [`objective`]: the loss's forward and backward; [`optimizer`]: clipping and
+//!   AdamW per adapter;
+//! - [`trainer`]: orders the phases of one iteration;
+//! - [`run`]: the run directory (config, metrics, checkpoints, lock, plots);
+//! - [`eval`]: held-out evaluation.
 
-pub mod advantage;
-pub mod batch;
-pub mod checkpoint;
 pub mod config;
-pub mod config_file;
-pub mod config_guard;
+pub mod credit;
 pub mod eval;
-pub mod external_reward;
 pub mod flops;
-pub mod limits;
-pub mod lock;
-pub mod metrics;
 pub mod objective;
 pub mod optimizer;
-pub mod overrides;
-pub mod plot;
-pub mod preflight;
 pub mod protocol_writer;
-pub mod rewards;
 pub mod rollout;
 pub mod run;
 pub mod trainer;
@@ -28,5 +26,5 @@ pub mod update;
 pub mod warmup;
 
 pub use config::TrainConfig;
-pub use metrics::{IterationMetrics, MetricsWriter};
-pub use rewards::{RewardFunction, RewardPipeline, RewardProcessor};
+pub use credit::rewards::{RewardFunction, RewardPipeline, RewardProcessor};
+pub use run::metrics::{IterationMetrics, MetricsWriter};

@@ -1,6 +1,6 @@
-//! Objectives: how the rows of a [`super::batch::TrainBatch`] become a loss (TRL's
+//! Objectives: how the rows of a [`super::credit::batch::TrainBatch`] become a loss (TRL's
 //! `_compute_loss`, alone). The config is `training.objective` ([`ObjectiveConfig`]) with
-//! `training.kl_coef` / `training.kl_estimator` for the penalty to the base model.
+//! `training.kl` for the penalty to the base model.
 //!
 //! - `magrpo` (the default): on-policy, one update per iteration, `-A x log p` per unit (a reply
 //!   token, or a `choice` decision).
@@ -70,34 +70,21 @@ pub enum KlEstimator {
     K3,
 }
 
-/// `training.objective`: the objective and its knobs. Every default is written here once.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ObjectiveConfig {
-    /// `magrpo` or `clipped`.
-    pub kind: ObjectiveKind,
-    /// Optimizer steps on each iteration's batch (`clipped` only; `magrpo` takes exactly 1).
-    pub epochs_per_iteration: usize,
-    /// The ratio may fall to `1 - clip_low` before the objective stops rewarding a decrease.
-    pub clip_low: f64,
-    /// The ratio may rise to `1 + clip_high` (DAPO's "clip higher" sets it above `clip_low`).
-    pub clip_high: f64,
-    /// `token` or `sequence`.
-    pub ratio: RatioLevel,
-    /// `agent_token_mean`, `sequence_mean` or `constant`.
-    pub loss_normalization: LossNormalization,
-}
-
-impl Default for ObjectiveConfig {
-    fn default() -> Self {
-        Self {
-            kind: ObjectiveKind::Magrpo,
-            epochs_per_iteration: 1,
-            clip_low: 0.2,
-            clip_high: 0.2,
-            ratio: RatioLevel::Token,
-            loss_normalization: LossNormalization::AgentTokenMean,
-        }
+crate::section::config_section! {
+    /// `training.objective:` — the objective and its knobs.
+    pub struct ObjectiveConfig {
+        /// `magrpo` or `clipped`.
+        pub kind: ObjectiveKind = ObjectiveKind::Magrpo,
+        /// Optimizer steps on each iteration's batch (`clipped` only; `magrpo` takes exactly 1).
+        pub epochs_per_iteration: usize = 1,
+        /// The ratio may fall to `1 - clip_low` before the objective stops rewarding a decrease.
+        pub clip_low: f64 = 0.2,
+        /// The ratio may rise to `1 + clip_high` (DAPO's "clip higher" sets it above `clip_low`).
+        pub clip_high: f64 = 0.2,
+        /// `token` or `sequence`.
+        pub ratio: RatioLevel = RatioLevel::Token,
+        /// `agent_token_mean`, `sequence_mean` or `constant`.
+        pub loss_normalization: LossNormalization = LossNormalization::AgentTokenMean,
     }
 }
 
@@ -156,13 +143,15 @@ impl ObjectiveConfig {
     }
 }
 
-/// The KL penalty's weight and estimator.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct KlPenalty {
-    /// `training.kl_coef` (0: no reference is computed).
-    pub coef: f64,
-    /// `training.kl_estimator`.
-    pub estimator: KlEstimator,
+crate::section::config_section! {
+    /// `training.kl:` — the KL penalty to the base model (adapters switched off, so the
+    /// reference costs no second model): its weight and estimator.
+    pub struct KlPenalty {
+        /// Weight of the penalty (0: off, and no reference is computed).
+        pub coef: f64 = 0.0,
+        /// The per-token estimator: `k3` (never negative) or `k1` (`log p - log p_ref`).
+        pub estimator: KlEstimator = KlEstimator::K3,
+    }
 }
 
 /// The host-side terms of one micro-batch's rows, aligned with its `[rows, positions]` scores

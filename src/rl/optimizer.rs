@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use super::objective::LossStats;
 use crate::adapters::optim::{grad_norm_squared, scale_grads, AdapterGrads};
 use crate::adapters::{AdamWConfig, AdamWState, MultiAdapterManager};
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, RunError, TroupeError};
 
 /// The agents' optimizers: AdamW's settings, the clipping norm, and one state per adapter.
 #[derive(Clone, Debug, Default)]
@@ -39,9 +39,9 @@ impl AgentOptimizers {
         for (name, g) in &grads {
             let norm = grad_norm_squared(g).sqrt();
             if !norm.is_finite() {
-                return Err(TroupeError::NonFinite {
+                return Err(TroupeError::Run(RunError::NonFinite {
                     message: format!("adapter {name} has a non-finite gradient ({norm}); stopped before any update"),
-                });
+                }));
             }
             grad_norm.insert(name.clone(), norm);
         }
@@ -56,7 +56,7 @@ impl AgentOptimizers {
                 .agent_ids()
                 .into_iter()
                 .find(|a| manager.adapter_name(*a).map(|n| n == name).unwrap_or(false))
-                .ok_or_else(|| TroupeError::UnknownAdapter { name: name.clone() })?;
+                .ok_or_else(|| TroupeError::Model(ModelError::UnknownAdapter { name: name.clone() }))?;
             let state = self.states.entry(name).or_default();
             let updated = self.adamw.step(manager.adapter(agent)?, &g, state, lr);
             manager.set_adapter(agent, updated)?;

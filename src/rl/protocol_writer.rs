@@ -12,18 +12,18 @@ use crate::adapters::MultiAdapterManager;
 use crate::error::Result;
 use crate::generate::{generate, GenerateOptions};
 use crate::model::{Model, ProjectionDelta};
-use crate::rl::rollout::{chat_prompt, RolloutConfig};
+use crate::rl::rollout::{chat_prompt, ActionConfig};
 
 /// The model's agents: each round is ONE batched generation whose rows use their agents'
 /// adapters, with the rollout's sampling and reply length, prompts in the model's chat template
-/// when `rollout.chat_template`. Each call draws the generation's seed from `rng`.
+/// when `action.chat_template`. Each call draws the generation's seed from `rng`.
 pub struct AdapterWriter<'a> {
     /// The base model.
     pub model: &'a Model,
     /// The agents' adapters.
     pub manager: &'a MultiAdapterManager,
     /// Sampling, reply length and chat template.
-    pub rollout: &'a RolloutConfig,
+    pub action: &'a ActionConfig,
     /// Seeds each generation.
     pub rng: &'a mut ChaCha8Rng,
 }
@@ -42,15 +42,15 @@ impl AdapterWriter<'_> {
         let prompts = requests
             .iter()
             .map(|r| {
-                self.model.tokenizer.encode(&chat_prompt(self.model, &r.system, &r.user, self.rollout.chat_template)?)
+                self.model.tokenizer.encode(&chat_prompt(self.model, &r.system, &r.user, self.action.chat_template)?)
             })
             .collect::<Result<Vec<_>>>()?;
         let rows: Vec<Option<usize>> = requests.iter().map(|r| Some(r.agent)).collect();
         let (delta, _) = self.manager.mixed(&rows, false)?;
         // The same options as a rollout's free-mode generation.
         let options = GenerateOptions {
-            max_new_tokens: self.rollout.max_new_tokens,
-            sampling: self.rollout.sampling.clone(),
+            max_new_tokens: self.action.max_new_tokens,
+            sampling: self.action.sampling(),
             seed: self.rng.random(),
             stop_at_eos: true,
             use_cache: true,
@@ -72,10 +72,10 @@ pub fn run_protocol(
     manager: &MultiAdapterManager,
     setup: &ProtocolSetup<'_>,
     protocol: CodingProtocol,
-    rollout: &RolloutConfig,
+    action: &ActionConfig,
     rng: &mut ChaCha8Rng,
 ) -> Result<ProtocolSummary> {
-    let mut writer = AdapterWriter { model, manager, rollout, rng };
+    let mut writer = AdapterWriter { model, manager, action, rng };
     Ok(run_protocol_with(&mut writer, setup, protocol)?.summary)
 }
 
@@ -83,9 +83,7 @@ pub fn run_protocol(
 mod tests {
     use super::*;
     use crate::adapters::AdapterConfig;
-    use crate::generate::SamplingConfig;
     use crate::model::Preset;
-    use crate::rl::rollout::{ActionMode, Fallback};
     use burn::tensor::Device;
     use rand::SeedableRng;
     use serde_json::Value;
@@ -105,18 +103,8 @@ mod tests {
         }
     }
 
-    fn rollout() -> RolloutConfig {
-        RolloutConfig {
-            mode: ActionMode::Free,
-            invalid_penalty: -1.0,
-            fallback: Fallback::Random,
-            max_retries: 0,
-            max_new_tokens: 6,
-            sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
-            chat_template: true,
-            max_episode_steps: 4,
-            choice_score: crate::generate::choice::ChoiceScore::Sum,
-        }
+    fn action() -> ActionConfig {
+        ActionConfig { max_retries: 0, max_new_tokens: 6, ..ActionConfig::default() }
     }
 
     fn model() -> (Model, MultiAdapterManager) {
@@ -132,11 +120,11 @@ mod tests {
         let (model, manager) = model();
         let registry = Registry::with_builtins();
         let setup = ProtocolSetup { env_spec: &spec(), registry: &registry, seeds: &SEEDS, seat_agents: &[0, 1] };
-        let cfg = rollout();
+        let cfg = action();
         for protocol in CodingProtocol::ALL {
             let run = |seed: u64| {
                 let mut rng = ChaCha8Rng::seed_from_u64(seed);
-                let mut writer = AdapterWriter { model: &model, manager: &manager, rollout: &cfg, rng: &mut rng };
+                let mut writer = AdapterWriter { model: &model, manager: &manager, action: &cfg, rng: &mut rng };
                 run_protocol_with(&mut writer, &setup, protocol).unwrap()
             };
             let a = run(7);
@@ -169,7 +157,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
         let summary = run_protocol(&model, &manager, &setup, CodingProtocol::Parallel, &cfg, &mut rng).unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        let mut writer = AdapterWriter { model: &model, manager: &manager, rollout: &cfg, rng: &mut rng };
+        let mut writer = AdapterWriter { model: &model, manager: &manager, action: &cfg, rng: &mut rng };
         assert_eq!(summary, run_protocol_with(&mut writer, &setup, CodingProtocol::Parallel).unwrap().summary);
     }
 }

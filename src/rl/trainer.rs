@@ -3,7 +3,7 @@
 //!
 //! 1. **rollouts**: G episodes from each of several starts ([`super::rollout`]);
 //! 2. **credit**: rewards shaped per step and seat, turned into advantages, one
-//!    [`TrainBatch`] row per reply or decision ([`super::batch`]); with a KL penalty, the base
+//!    [`TrainBatch`] row per reply or decision ([`super::credit::batch`]); with a KL penalty, the base
 //!    model's log-probs are attached to the rows;
 //! 3. **update**: the [`Objective`]'s loss over the batch in mixed-adapter micro-batches, one
 //!    backward each ([`super::update`]);
@@ -19,62 +19,20 @@ use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use troupe_envs::{RegisteredReward, Registry, RewardInput};
+use troupe_envs::Registry;
 
-use super::advantage::mean_std;
-use super::batch::{AdvantageSettings, TrainBatch};
-use super::external_reward::{ExternalRewards, RewardItem};
+use super::config::TrainConfig;
+use super::credit::{Credit, Credited};
 use super::flops::FlopModel;
-use super::objective::{KlPenalty, Objective, ObjectiveConfig};
+use super::objective::{LossStats, Objective};
 use super::optimizer::{clip_fraction, AgentOptimizers};
-use super::rewards::{RewardFunction, RewardPipeline, SeatOutcome};
-use super::rollout::{episode_rngs, make_env, run_episodes, EpisodeRecord, RolloutConfig};
+use super::rollout::stats::RolloutStats;
+use super::rollout::{episode_rngs, make_env, run_episodes, EpisodeRecord};
 use super::update::Scorer;
 pub use super::warmup::FormatWarmup;
-use crate::adapters::{AdamWConfig, AdamWState, MultiAdapterManager};
-use crate::error::{Result, TroupeError};
+use crate::adapters::{AdamWState, MultiAdapterManager};
+use crate::error::{Result, RunError, TroupeError};
 use crate::model::Model;
-
-/// The knobs of one training run that the iteration needs.
-#[derive(Clone, Debug)]
-pub struct TrainerSettings {
-    /// The environment spec (`{name: ..., params...}`) every episode is built from.
-    pub env_spec: serde_json::Value,
-    /// Agent id of each seat.
-    pub seat_agents: Vec<usize>,
-    /// Rollouts per start (G).
-    pub group_size: usize,
-    /// Starts (groups) per iteration.
-    pub groups_per_iteration: usize,
-    /// How replies become actions.
-    pub rollout: RolloutConfig,
-    /// AdamW (its `lr` is the peak learning rate).
-    pub adamw: AdamWConfig,
-    /// Linear warm-up of the learning rate over this many iterations.
-    pub warmup_iterations: u64,
-    /// The learning rate at iteration `total_iterations`, as a fraction of the peak.
-    pub lr_final_fraction: f64,
-    /// The run's length, over which the learning rate decays.
-    pub total_iterations: u64,
-    /// Per-agent gradient-norm clip (0: none).
-    pub max_grad_norm: f64,
-    /// How returns become advantages.
-    pub advantage: AdvantageSettings,
-    /// Discount of multi-turn returns.
-    pub gamma: f64,
-    /// The objective (`training.objective`).
-    pub objective: ObjectiveConfig,
-    /// The KL penalty to the base model (adapters switched off); a zero weight skips it.
-    pub kl: KlPenalty,
-    /// Reward functions and processors applied to every seat's episode.
-    pub rewards: RewardPipeline,
-    /// Supervised warm-up on the action format before the first iteration.
-    pub format_warmup: FormatWarmup,
-    /// Rows per forward/backward micro-batch (`runtime.micro_batch_rows`).
-    pub micro_batch_rows: usize,
-    /// Run seed (rollouts, dropout, starts).
-    pub seed: u64,
-}
 
 /// What one iteration did.
 #[derive(Clone, Debug, PartialEq)]
@@ -167,71 +125,54 @@ pub struct MagrpoTrainer {
     /// The run's random stream: each iteration draws its own seed from it (rollouts,
     /// sampling, fallbacks, dropout), so saving it with a checkpoint makes resuming exact.
     rng: ChaCha8Rng,
-    settings: TrainerSettings,
+    /// The run's config (validated when it was read).
+    config: TrainConfig,
     registry: Registry,
-    external_rewards: ExternalRewards,
-    /// The registered reward functions the pipeline lists, in order, with their names.
-    registered_rewards: Vec<(String, RegisteredReward)>,
+    /// The credit phase (reward functions and processors, discount, advantages).
+    credit: Credit,
 }
-
-/// Every episode's shaped rewards, `[group][episode][seat][step]` ([`shaped_step_rewards`]).
-type ShapedRewards = Vec<Vec<Vec<Vec<f64>>>>;
 
 /// Prefixes a non-finite error's message with where it happened.
 pub(crate) fn label_non_finite(err: TroupeError, place: &str) -> TroupeError {
     match err {
-        TroupeError::NonFinite { message } => TroupeError::NonFinite { message: format!("{place}: {message}") },
+        TroupeError::Run(RunError::NonFinite { message }) => {
+            TroupeError::Run(RunError::NonFinite { message: format!("{place}: {message}") })
+        }
         other => other,
     }
 }
 
 impl MagrpoTrainer {
-    /// A trainer over `model` and `manager`, building environments from `registry`.
-    pub fn new(
-        model: Model,
-        manager: MultiAdapterManager,
-        registry: Registry,
-        settings: TrainerSettings,
-    ) -> Result<Self> {
-        if settings.group_size < 2 {
-            return Err(TroupeError::setting("training.group_size", "a group needs at least 2 rollouts"));
-        }
-        for (seat, agent) in settings.seat_agents.iter().enumerate() {
+    /// A trainer over `model` and `manager` for the run `config` (validated:
+    /// [`TrainConfig::validate`]), building environments from `registry`.
+    pub fn new(model: Model, manager: MultiAdapterManager, registry: Registry, config: &TrainConfig) -> Result<Self> {
+        for (seat, agent) in config.agents.seats.iter().enumerate() {
             manager.adapter_name(*agent).map_err(|_| {
                 TroupeError::setting("agents.seats", format!("seat {seat} maps to agent {agent}, which has no adapter"))
             })?;
         }
-        if let Err((field, message)) = settings.objective.check() {
-            return Err(TroupeError::setting(format!("training.objective.{field}"), message));
-        }
-        make_env(&registry, &settings.env_spec)?;
-        let rng = ChaCha8Rng::seed_from_u64(settings.seed);
-        let mut registered_rewards = Vec::new();
-        for function in settings.rewards.functions() {
-            if let RewardFunction::Registered(name) = &function.name {
-                let found = registry.reward(name).ok_or_else(|| {
-                    TroupeError::setting("rewards.functions", format!("no reward function {name:?} is registered"))
-                })?;
-                registered_rewards.push((name.clone(), found));
-            }
-        }
-        let external_rewards = ExternalRewards::start(&settings.rewards)?;
+        make_env(&registry, &config.env.spec())?;
+        let credit = Credit::new(config, &registry)?;
         Ok(Self {
             model,
             manager,
-            optimizers: AgentOptimizers::new(settings.adamw.clone(), settings.max_grad_norm),
+            optimizers: AgentOptimizers::new(config.training.optimizer.clone(), config.training.max_grad_norm),
             iteration: 0,
-            rng,
-            settings,
+            rng: ChaCha8Rng::seed_from_u64(config.run.seed),
+            config: config.clone(),
             registry,
-            external_rewards,
-            registered_rewards,
+            credit,
         })
     }
 
-    /// The settings the trainer was built with.
-    pub fn settings(&self) -> &TrainerSettings {
-        &self.settings
+    /// The config the trainer was built with.
+    pub fn config(&self) -> &TrainConfig {
+        &self.config
+    }
+
+    /// The credit phase.
+    pub fn credit(&self) -> &Credit {
+        &self.credit
     }
 
     /// The registry environments are built from.
@@ -276,132 +217,39 @@ impl MagrpoTrainer {
         Scorer {
             model: &self.model,
             manager: &self.manager,
-            micro_batch_rows: self.settings.micro_batch_rows,
-            temperature: f64::from(self.settings.rollout.sampling.temperature),
-            choice_score: self.settings.rollout.choice_score,
-            max_new_tokens: self.settings.rollout.max_new_tokens,
+            micro_batch_rows: self.config.runtime.micro_batch_rows,
+            temperature: f64::from(self.config.action.sampling().temperature),
+            choice_score: self.config.action.choice_score,
+            max_new_tokens: self.config.action.max_new_tokens,
             skip_zero_advantage: true,
         }
     }
 
     /// The objective of the update phase.
     pub fn objective(&self) -> Objective {
-        Objective { config: self.settings.objective.clone(), kl: self.settings.kl }
+        Objective { config: self.config.training.objective.clone(), kl: self.config.training.kl.clone() }
     }
 
     /// The learning rate of iteration `iteration` (1-based): linear warm-up, then linear decay
     /// to `lr_final_fraction` of the peak at the run's last iteration (constant when 1).
     pub fn learning_rate(&self, iteration: u64) -> f64 {
-        let s = &self.settings;
-        let peak = s.adamw.lr;
-        let w = s.warmup_iterations;
+        let t = &self.config.training;
+        let peak = t.optimizer.lr;
+        let w = t.warmup_iterations as u64;
         if iteration < w {
             return peak * iteration as f64 / w as f64;
         }
         // Linear from the peak (at the warm-up's end) to `lr_final_fraction` of it at the end.
-        let span = s.total_iterations.saturating_sub(w.max(1));
+        let span = (self.config.run.iterations as u64).saturating_sub(w.max(1));
         let progress = if span == 0 { 0.0 } else { (iteration.saturating_sub(w.max(1))) as f64 / span as f64 };
-        peak * (1.0 - (1.0 - s.lr_final_fraction) * progress.min(1.0))
+        peak * (1.0 - (1.0 - t.lr_final_fraction) * progress.min(1.0))
     }
 
     /// The supervised format warm-up ([`FormatWarmup`]); returns each step's mean negative
     /// log-likelihood per target token (averaged over agents).
     pub fn format_warmup(&mut self) -> Result<Vec<f64>> {
-        let warmup = self.settings.format_warmup.clone();
+        let warmup = self.config.training.format_warmup.clone();
         warmup.run(self)
-    }
-
-    /// The computed reward functions' values for `episodes`, `[episode][seat][function]` in the
-    /// pipeline's order: registered per-seat functions called per seat, registered batch
-    /// functions once with every episode, external ones with one exchange per function (empty
-    /// lists when there is none).
-    fn computed_reward_values(&self, episodes: &[&EpisodeRecord]) -> Result<Vec<Vec<Vec<f64>>>> {
-        if self.external_rewards.is_empty() && self.registered_rewards.is_empty() {
-            return Ok(episodes.iter().map(|e| vec![Vec::new(); e.env_returns.len()]).collect());
-        }
-        let decode = |ids: &[u32]| self.model.tokenizer.decode(ids, true);
-        // Per-seat functions read completions alone; the others are sent the prompts too.
-        let with_prompts = !self.external_rewards.is_empty()
-            || self.registered_rewards.iter().any(|(_, f)| matches!(f, RegisteredReward::Batch(_)));
-        let mut items = Vec::with_capacity(episodes.len());
-        for episode in episodes {
-            let seats = episode.env_returns.len();
-            let (mut completions, mut prompts) = (vec![Vec::new(); seats], vec![Vec::new(); seats]);
-            for turn in episode.turns.iter().filter(|t| t.seat < seats) {
-                completions[turn.seat].push(decode(&turn.completion_ids)?);
-                if with_prompts {
-                    prompts[turn.seat].push(decode(&turn.prompt_ids)?);
-                }
-            }
-            items.push(RewardItem {
-                seed: episode.seed,
-                completions,
-                prompts,
-                returns: episode.env_returns.clone(),
-                metrics: episode.metrics.clone(),
-            });
-        }
-        let external = self.external_rewards.score(&items)?;
-        // Each batch function's `[episode][seat]` values (None for per-seat functions).
-        let batched: Vec<Option<Vec<Vec<f64>>>> = self
-            .registered_rewards
-            .iter()
-            .map(|(name, function)| match function {
-                RegisteredReward::Seat(_) => Ok(None),
-                RegisteredReward::Batch(f) => batch_reward_values(name, f(&items), &items).map(Some),
-            })
-            .collect::<Result<_>>()?;
-        let mut values = Vec::with_capacity(items.len());
-        for (e, ((item, episode), external)) in items.iter().zip(episodes).zip(external).enumerate() {
-            let mut per_seat = Vec::with_capacity(item.returns.len());
-            for (seat, external) in external.into_iter().enumerate() {
-                let invalid_actions = episode.turns.iter().filter(|t| t.seat == seat && t.invalid).count();
-                let input = RewardInput {
-                    seat,
-                    env_return: item.returns[seat],
-                    invalid_actions,
-                    metrics: &item.metrics,
-                    completions: &item.completions[seat],
-                };
-                let (mut external, mut registered) =
-                    (external.into_iter(), self.registered_rewards.iter().zip(&batched));
-                let mut seat_values = Vec::new();
-                for function in self.settings.rewards.computed_functions() {
-                    let value = match function.name {
-                        RewardFunction::External => external.next(),
-                        _ => registered.next().map(|((_, f), batch)| match (f, batch) {
-                            (RegisteredReward::Seat(f), _) => f(&input),
-                            (RegisteredReward::Batch(_), Some(values)) => values[e][seat],
-                            (RegisteredReward::Batch(_), None) => f64::NAN,
-                        }),
-                    };
-                    let value = value.ok_or_else(|| TroupeError::reward(function.name.name(), "gave no value"))?;
-                    if !value.is_finite() {
-                        return Err(TroupeError::reward(function.name.name(), format!("gave {value} for seat {seat}")));
-                    }
-                    seat_values.push(value);
-                }
-                per_seat.push(seat_values);
-            }
-            values.push(per_seat);
-        }
-        Ok(values)
-    }
-
-    /// Every seat's reward for each of `episodes` under the configured pipeline (reward
-    /// functions, weights and processors, summed over the episode's steps): `[episode][seat]`,
-    /// what an evaluation of the trained reward reports.
-    pub fn episode_rewards(&self, episodes: &[EpisodeRecord]) -> Result<Vec<Vec<f64>>> {
-        let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
-        let computed = self.computed_reward_values(&refs)?;
-        episodes
-            .iter()
-            .zip(&computed)
-            .map(|(e, values)| {
-                let shaped = shaped_step_rewards(e, &self.settings.rewards, values)?;
-                Ok(shaped.iter().map(|steps| steps.iter().sum()).collect())
-            })
-            .collect()
     }
 
     /// Draws the next iteration's rollout plan from the run's random stream: the iteration's
@@ -413,13 +261,13 @@ impl MagrpoTrainer {
         crate::profile::take();
         let iteration_seed: u64 = self.rng.random();
         let mut rollout_rng = ChaCha8Rng::seed_from_u64(iteration_seed);
-        let starts: Vec<u64> = (0..self.settings.groups_per_iteration).map(|_| rollout_rng.random()).collect();
+        let starts: Vec<u64> = (0..self.config.training.groups_per_iteration).map(|_| rollout_rng.random()).collect();
         RolloutPlan {
             iteration: self.iteration + 1,
             iteration_seed,
             episode_seed: rollout_rng.random(),
             starts,
-            group_size: self.settings.group_size,
+            group_size: self.config.training.group_size,
         }
     }
 
@@ -435,40 +283,16 @@ impl MagrpoTrainer {
                 format!("episodes {}..{} of a plan of {total}", range.start, range.end),
             ));
         }
-        let s = &self.settings;
+        let spec = self.config.env.spec();
         let mut envs = Vec::with_capacity(range.len());
         let mut seeds = Vec::with_capacity(range.len());
         for episode in range.clone() {
-            envs.push(make_env(&self.registry, &s.env_spec)?);
+            envs.push(make_env(&self.registry, &spec)?);
             seeds.push(plan.starts[episode / plan.group_size]);
         }
         let mut rngs = episode_rngs(plan.episode_seed, range.start, range.len());
-        run_episodes(&self.model, &self.manager, &mut envs, &seeds, &s.seat_agents, &s.rollout, &mut rngs)
-    }
-
-    /// The credit phase: every episode's rewards shaped per step and seat, discounted into each
-    /// turn's return, and turned into the batch's advantages.
-    fn credit(&self, groups: &[Vec<EpisodeRecord>]) -> Result<(TrainBatch, ShapedRewards)> {
-        let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
-        let computed = self.computed_reward_values(&episodes)?;
-        let mut computed = computed.iter();
-        let shaped: ShapedRewards = groups
-            .iter()
-            .map(|g| {
-                g.iter()
-                    .map(|e| {
-                        shaped_step_rewards(e, &self.settings.rewards, computed.next().map_or(&[][..], Vec::as_slice))
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<_>>()?;
-        let returns: Vec<Vec<Vec<f64>>> = groups
-            .iter()
-            .zip(&shaped)
-            .map(|(g, s)| g.iter().zip(s).map(|(e, r)| turn_returns(e, r, self.settings.gamma)).collect())
-            .collect();
-        let batch = TrainBatch::from_groups(groups, &returns, &self.settings.seat_agents, self.settings.advantage);
-        Ok((batch, shaped))
+        let rollout = self.config.rollout_config();
+        run_episodes(&self.model, &self.manager, &mut envs, &seeds, &self.config.agents.seats, &rollout, &mut rngs)
     }
 
     /// Runs one iteration: rollouts, credit, then per epoch the update and one optimizer step
@@ -524,11 +348,11 @@ impl MagrpoTrainer {
         for _ in 0..plan.starts.len() {
             groups.push(it.by_ref().take(plan.group_size).collect());
         }
-        let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
-        let generated: usize = episodes.iter().flat_map(|e| &e.turns).map(|t| t.completion_ids.len()).sum();
+        let flop_model = FlopModel::new(&self.model.lm.config);
+        let rollout = RolloutStats::of(groups.iter().flatten(), &flop_model);
 
         let credit_started = Instant::now();
-        let (mut batch, shaped) = self.credit(&groups)?;
+        let Credited { mut batch, stats: credit } = self.credit.assign(&self.model.tokenizer, &groups)?;
         let objective = self.objective();
         // The KL reference is one more forward over the batch, once however many epochs follow.
         let mut update_flops = 0.0;
@@ -542,7 +366,7 @@ impl MagrpoTrainer {
         let place = format!("iteration {iteration}");
         let (mut update_seconds, mut optimizer_seconds) = (0.0, 0.0);
         let mut first = None;
-        let mut stats = super::objective::LossStats::default();
+        let mut stats = LossStats::default();
         for epoch in 0..objective.config.epochs() {
             let update_started = Instant::now();
             // Epoch 0 keeps the single-epoch run's dropout seeds.
@@ -555,62 +379,25 @@ impl MagrpoTrainer {
             let grad_norm =
                 self.optimizers.step(&mut self.manager, pass.grads, lr).map_err(|e| label_non_finite(e, &place))?;
             optimizer_seconds += optimizer_started.elapsed().as_secs_f64();
-            first.get_or_insert((pass.loss, grad_norm, pass.units_per_agent, pass.stats));
+            first.get_or_insert((pass.loss, grad_norm, pass.stats));
         }
-        let (loss_total, grad_norm, tokens_per_agent, first_stats) = first.expect("at least one epoch");
-        let flop_model = FlopModel::new(&self.model.lm.config);
-        let turns = || episodes.iter().flat_map(|e| &e.turns);
-        // A prompt that several replies of one agent answer is prefilled once (a group's).
-        let rollout_flops: f64 = turns()
-            .filter_map(|t| t.choice.as_ref().map(|c| (t, c)))
-            .map(|(t, c)| {
-                flop_model.packed_choice(t.prompt_ids.len(), &c.candidates.iter().map(Vec::len).collect::<Vec<_>>())
-            })
-            .sum::<f64>()
-            + flop_model.shared_prefixes(turns().filter(|t| t.choice.is_none()).map(|t| {
-                ((t.agent, &t.prompt_ids), t.prompt_ids.len(), t.completion_ids.len(), t.completion_ids.len())
-            }));
+        let (loss, grad_norm, first_stats) = first.expect("at least one epoch");
         self.iteration = iteration;
-
-        let mut mean_return = BTreeMap::new();
-        let mut std_return = BTreeMap::new();
-        for &agent in tokens_per_agent.keys().chain(self.settings.seat_agents.iter()) {
-            // An agent's return: the summed shaped rewards of the seats it plays.
-            let returns: Vec<f64> = shaped
-                .iter()
-                .flatten()
-                .map(|per_seat| {
-                    per_seat
-                        .iter()
-                        .enumerate()
-                        .filter(|(seat, _)| self.settings.seat_agents.get(*seat) == Some(&agent))
-                        .map(|(_, r)| r.iter().sum::<f64>())
-                        .sum()
-                })
-                .collect();
-            let (m, s) = mean_std(&returns);
-            mean_return.insert(agent, m);
-            std_return.insert(agent, s);
-        }
-        let turns: usize = episodes.iter().map(|e| e.turns.len()).sum();
-        let invalid: usize = episodes.iter().map(|e| e.turns.iter().filter(|t| t.invalid).count()).sum();
-        let scores: Vec<f64> = episodes.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
-        let steps: Vec<f64> = episodes.iter().map(|e| e.steps as f64).collect();
         let timed = crate::profile::take();
         Ok(IterationStats {
             iteration,
-            mean_return,
-            std_return,
-            mean_score: mean_std(&scores).0,
-            invalid_rate: if turns == 0 { 0.0 } else { invalid as f64 / turns as f64 },
-            loss: loss_total,
+            mean_return: credit.mean_return,
+            std_return: credit.std_return,
+            mean_score: rollout.mean_score,
+            invalid_rate: rollout.invalid_rate,
+            loss,
             grad_norm,
             lr,
-            rollout_tokens_per_second: generated as f64 / rollout_seconds.max(1e-9),
+            rollout_tokens_per_second: rollout.generated_tokens as f64 / rollout_seconds.max(1e-9),
             seconds: started.elapsed().as_secs_f64(),
-            kl: (self.settings.kl.coef > 0.0).then(|| first_stats.kl_sum / first_stats.kl_units.max(1) as f64),
+            kl: (objective.kl.coef > 0.0).then(|| first_stats.kl_sum / first_stats.kl_units.max(1) as f64),
             clip_fraction: clip_fraction(&stats),
-            mean_episode_steps: mean_std(&steps).0,
+            mean_episode_steps: rollout.mean_episode_steps,
             phase_seconds: [
                 ("rollout", rollout_seconds),
                 ("credit", credit_seconds),
@@ -621,118 +408,13 @@ impl MagrpoTrainer {
             .chain(crate::profile::Phase::ALL.into_iter().map(|p| (p.name(), timed[p as usize])))
             .map(|(k, v)| (k.to_string(), v))
             .collect(),
-            phase_flops: [("rollout".to_string(), rollout_flops), ("update".to_string(), update_flops)]
+            phase_flops: [("rollout".to_string(), rollout.flops), ("update".to_string(), update_flops)]
                 .into_iter()
                 .collect(),
-            choice_entropy: {
-                let entropies: Vec<f64> = episodes
-                    .iter()
-                    .flat_map(|e| &e.turns)
-                    .filter_map(|t| t.choice.as_ref().map(|c| c.entropy))
-                    .collect();
-                (!entropies.is_empty()).then(|| mean_std(&entropies).0)
-            },
-            env_metrics: {
-                let names: std::collections::BTreeSet<&String> =
-                    episodes.iter().flat_map(|e| e.metrics.keys()).collect();
-                names
-                    .into_iter()
-                    .map(|name| {
-                        let values: Vec<f64> =
-                            episodes.iter().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
-                        (name.clone(), mean_std(&values).0)
-                    })
-                    .collect()
-            },
+            choice_entropy: rollout.choice_entropy,
+            env_metrics: rollout.env_metrics,
         })
     }
-}
-
-/// A batch reward function's answer for `items` as `[episode][seat]`: one value per episode
-/// (every seat gets it) or one per seat, else an error naming the function.
-fn batch_reward_values(
-    name: &str,
-    answer: std::result::Result<Vec<Vec<f64>>, String>,
-    items: &[RewardItem],
-) -> Result<Vec<Vec<f64>>> {
-    let answer = answer.map_err(|message| TroupeError::reward(name, message))?;
-    if answer.len() != items.len() {
-        return Err(TroupeError::reward(name, format!("gave {} rewards for {} episodes", answer.len(), items.len())));
-    }
-    answer
-        .into_iter()
-        .zip(items)
-        .enumerate()
-        .map(|(e, (values, item))| {
-            let seats = item.returns.len();
-            match values.len() {
-                1 => Ok(vec![values[0]; seats]),
-                n if n == seats => Ok(values),
-                n => Err(TroupeError::reward(
-                    name,
-                    format!("gave {n} values for episode {e}; give one, or one per seat ({seats})"),
-                )),
-            }
-        })
-        .collect()
-}
-
-/// Every seat's reward at every step of `episode` under the configured pipeline: `[seat][step]`.
-/// `external[seat]` holds the external reward functions' values for the seat (empty when the
-/// pipeline has none).
-///
-/// A seat's reward at a step is `w_env x (its environment reward there)`, plus at its own turns
-/// `w_env x (the invalid-reply penalty)` and `-w_invalid` for an invalid reply; the episode's last
-/// step also gets the difference the `score` function and the processors make to the seat's
-/// total, so a seat's rewards sum to its processed episode reward while step-level credit
-/// survives. Every seat sees every step, so in a cooperative game a seat is credited with what
-/// its partners score after its move (with identity processors and `env_return` alone, a seat's
-/// rewards are exactly its environment rewards plus penalties).
-pub fn shaped_step_rewards(
-    episode: &EpisodeRecord,
-    pipeline: &RewardPipeline,
-    external: &[Vec<f64>],
-) -> Result<Vec<Vec<f64>>> {
-    let weight = |f: RewardFunction| pipeline.functions().iter().filter(|w| w.name == f).map(|w| w.weight).sum::<f64>();
-    let (w_env, w_invalid) = (weight(RewardFunction::EnvReturn), weight(RewardFunction::InvalidActions));
-    let seats = episode.env_returns.len();
-    let steps = episode.step_rewards.len();
-    let mut rewards: Vec<Vec<f64>> = (0..seats)
-        .map(|seat| episode.step_rewards.iter().map(|r| w_env * r.get(seat).copied().unwrap_or(0.0)).collect())
-        .collect();
-    let mut env_return: Vec<f64> =
-        (0..seats).map(|seat| episode.step_rewards.iter().map(|r| r.get(seat).copied().unwrap_or(0.0)).sum()).collect();
-    let mut invalid = vec![0usize; seats];
-    for turn in &episode.turns {
-        if turn.seat < seats && turn.step < steps {
-            rewards[turn.seat][turn.step] += w_env * turn.penalty - if turn.invalid { w_invalid } else { 0.0 };
-            env_return[turn.seat] += turn.penalty;
-            invalid[turn.seat] += usize::from(turn.invalid);
-        }
-    }
-    if steps > 0 {
-        for seat in 0..seats {
-            let values = external.get(seat).map_or(&[][..], Vec::as_slice);
-            let outcome = SeatOutcome {
-                env_return: env_return[seat],
-                invalid_actions: invalid[seat],
-                metrics: &episode.metrics,
-                computed: values,
-            };
-            let processed = pipeline.reward(&outcome)?;
-            let so_far: f64 = rewards[seat].iter().sum();
-            rewards[seat][steps - 1] += processed - so_far;
-        }
-    }
-    Ok(rewards)
-}
-
-/// Each turn's discounted return-to-go, in turn order: the acting seat's shaped rewards
-/// (`shaped[seat][step]`, from [`shaped_step_rewards`]) from the turn's step on, discounted by
-/// `gamma` per environment step.
-pub fn turn_returns(episode: &EpisodeRecord, shaped: &[Vec<f64>], gamma: f64) -> Vec<f64> {
-    let to_go: Vec<Vec<f64>> = shaped.iter().map(|r| super::advantage::discounted_returns(r, gamma)).collect();
-    episode.turns.iter().map(|t| to_go.get(t.seat).and_then(|r| r.get(t.step)).copied().unwrap_or(0.0)).collect()
 }
 
 #[cfg(test)]
@@ -741,52 +423,44 @@ pub(crate) mod tests {
     use crate::adapters::optim::{adapter_grads, AdapterGrads};
     use crate::adapters::AdapterConfig;
     use crate::generate::choice::{candidate_logliks, PackedChoices};
-    use crate::generate::SamplingConfig;
     use crate::model::Preset;
-    use crate::rl::batch::TrainRow;
+    use crate::rl::credit::batch::TrainBatch;
+    use crate::rl::credit::batch::TrainRow;
     use crate::rl::rollout::{ActionMode, ChoiceTurn, Fallback};
     use burn::tensor::Device;
+
+    /// A small Hanabi run in `choice` mode: groups of 2, one group, 2-step episodes.
+    fn test_config(seat_agents: Vec<usize>) -> TrainConfig {
+        let mut config = TrainConfig::default();
+        config.env = crate::rl::config::EnvConfig::default();
+        config.agents.num_agents = seat_agents.iter().max().map_or(1, |m| m + 1);
+        config.agents.seats = seat_agents;
+        config.action = crate::rl::rollout::ActionConfig {
+            mode: ActionMode::Choice,
+            max_retries: 0,
+            max_new_tokens: 4,
+            chat_template: false,
+            ..Default::default()
+        };
+        config.training.group_size = 2;
+        config.training.groups_per_iteration = 1;
+        config.training.max_episode_steps = 2;
+        config.training.optimizer = crate::adapters::AdamWConfig { lr: 1e-2, ..Default::default() };
+        config.training.warmup_iterations = 2;
+        config.run.iterations = 10;
+        config.rewards.processors = vec![];
+        config.runtime.micro_batch_rows = 2;
+        config.run.seed = 3;
+        config
+    }
 
     fn trainer(seat_agents: Vec<usize>, agents: usize) -> MagrpoTrainer {
         let device = Device::flex();
         let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
         let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
         manager.create_adapters(agents, &AdapterConfig { r: 4, lora_alpha: 8.0, ..AdapterConfig::default() }).unwrap();
-        let settings = TrainerSettings {
-            env_spec: serde_json::json!({"name": "hanabi", "players": 2}),
-            seat_agents,
-            group_size: 2,
-            groups_per_iteration: 1,
-            rollout: RolloutConfig {
-                mode: ActionMode::Choice,
-                invalid_penalty: -1.0,
-                fallback: Fallback::Random,
-                max_retries: 0,
-                max_new_tokens: 4,
-                sampling: SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
-                chat_template: false,
-                max_episode_steps: 2,
-                choice_score: crate::generate::choice::ChoiceScore::Sum,
-            },
-            adamw: AdamWConfig { lr: 1e-2, ..AdamWConfig::default() },
-            warmup_iterations: 2,
-            lr_final_fraction: 1.0,
-            total_iterations: 10,
-            max_grad_norm: 1.0,
-            advantage: AdvantageSettings::default(),
-            gamma: 1.0,
-            objective: ObjectiveConfig::default(),
-            kl: KlPenalty { coef: 0.0, estimator: crate::rl::objective::KlEstimator::K3 },
-            rewards: RewardPipeline::new(
-                vec![crate::rl::rewards::WeightedReward::builtin(crate::rl::rewards::RewardFunction::EnvReturn, 1.0)],
-                vec![],
-            )
-            .unwrap(),
-            format_warmup: FormatWarmup::default(),
-            micro_batch_rows: 2,
-            seed: 3,
-        };
-        MagrpoTrainer::new(model, manager, Registry::with_builtins(), settings).unwrap()
+        let config = test_config(seat_agents);
+        MagrpoTrainer::new(model, manager, Registry::with_builtins(), &config).unwrap()
     }
 
     #[test]
@@ -808,8 +482,8 @@ pub(crate) mod tests {
     #[test]
     fn the_learning_rate_warms_up_then_decays_linearly() {
         let mut t = trainer(vec![0, 1], 2);
-        t.settings.lr_final_fraction = 0.1;
-        t.settings.total_iterations = 12;
+        t.config.training.lr_final_fraction = 0.1;
+        t.config.run.iterations = 12;
         let lr: Vec<f64> = (1..=12).map(|i| t.learning_rate(i) / 1e-2).collect();
         assert!((lr[0] - 0.5).abs() < 1e-12, "warm-up: half the peak at iteration 1 of 2");
         assert!((lr[1] - 1.0).abs() < 1e-12, "the peak when the warm-up ends");
@@ -829,7 +503,7 @@ pub(crate) mod tests {
 
     #[test]
     fn batch_reward_functions_score_every_episode_in_one_call() {
-        use crate::rl::rewards::{RewardFunction, WeightedReward};
+        use crate::rl::credit::rewards::{RewardFunction, WeightedReward};
         use std::sync::atomic::{AtomicUsize, Ordering};
         use std::sync::Arc;
         let calls = Arc::new(AtomicUsize::new(0));
@@ -851,19 +525,29 @@ pub(crate) mod tests {
         let named = |name: &str| WeightedReward::builtin(RewardFunction::Registered(name.into()), 1.0);
         let build = |names: &[&str]| {
             let mut t = trainer(vec![0, 1], 2);
-            t.settings.rewards = RewardPipeline::new(names.iter().map(|n| named(n)).collect(), vec![]).unwrap();
-            MagrpoTrainer::new(t.model, t.manager, registry.clone(), t.settings).unwrap()
+            t.config.rewards.functions = names.iter().map(|n| named(n)).collect();
+            MagrpoTrainer::new(t.model, t.manager, registry.clone(), &t.config).unwrap()
         };
         let t = build(&["per_seat", "shared"]);
         let plan = RolloutPlan { iteration: 1, iteration_seed: 1, episode_seed: 2, starts: vec![4], group_size: 2 };
         let episodes = t.play(&plan, 0..2).unwrap();
         let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
-        let values = t.computed_reward_values(&refs).unwrap();
+        let values = t.credit.computed_reward_values(&t.model.tokenizer, &refs).unwrap();
         assert_eq!(calls.load(Ordering::SeqCst), 1, "one call for the whole batch");
         assert_eq!(values, vec![vec![vec![0.0, 2.0], vec![0.1, 2.0]], vec![vec![1.0, 2.0], vec![1.1, 2.0]]]);
-        let err = build(&["short"]).computed_reward_values(&refs).unwrap_err().to_string();
+        let err = {
+            let t = build(&["short"]);
+            t.credit.computed_reward_values(&t.model.tokenizer, &refs)
+        }
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("short") && err.contains("1 rewards for 2 episodes"), "{err}");
-        let err = build(&["refuses"]).computed_reward_values(&refs).unwrap_err().to_string();
+        let err = {
+            let t = build(&["refuses"]);
+            t.credit.computed_reward_values(&t.model.tokenizer, &refs)
+        }
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("refuses") && err.contains("no model loaded"), "{err}");
     }
 
@@ -873,12 +557,12 @@ pub(crate) mod tests {
         // in two ranges, learned from, gives the adapters `step` gives.
         let whole = {
             let mut t = trainer(vec![0, 1], 2);
-            t.settings.groups_per_iteration = 2;
+            t.config.training.groups_per_iteration = 2;
             t.step().unwrap();
             (t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host())
         };
         let mut t = trainer(vec![0, 1], 2);
-        t.settings.groups_per_iteration = 2;
+        t.config.training.groups_per_iteration = 2;
         let plan = t.plan();
         assert_eq!(plan.episodes(), 4);
         let mut episodes = t.play(&plan, 0..3).unwrap();
@@ -910,8 +594,8 @@ pub(crate) mod tests {
         // -A / T (grad s(a0) - pi(a0) grad s(a0) - pi(a1) grad s(a1)): both candidates' tokens
         // get gradient. Hand-compose that from each candidate's own score gradient.
         let mut t = trainer(vec![0, 1], 2);
-        t.settings.rollout.sampling.temperature = 0.7;
-        t.settings.rollout.choice_score = crate::generate::choice::ChoiceScore::Mean;
+        t.config.action.temperature = 0.7;
+        t.config.action.choice_score = crate::generate::choice::ChoiceScore::Mean;
         // A non-zero B so that every factor has a gradient.
         let mut adapter = t.manager.adapter(0).unwrap().clone();
         for pair in adapter.pairs.values_mut() {
@@ -974,9 +658,9 @@ pub(crate) mod tests {
         ];
         for (mode, fallback) in cases {
             let mut t = trainer(vec![0, 1], 2);
-            t.settings.rollout.mode = mode;
-            t.settings.rollout.fallback = fallback;
-            t.settings.rollout.max_retries = 1;
+            t.config.action.mode = mode;
+            t.config.action.fallback = fallback;
+            t.config.action.max_retries = 1;
             for agent in 0..2 {
                 let mut adapter = t.manager.adapter(agent).unwrap().clone();
                 for pair in adapter.pairs.values_mut() {
@@ -987,7 +671,7 @@ pub(crate) mod tests {
             let plan = t.plan();
             let groups: Vec<Vec<EpisodeRecord>> =
                 t.play(&plan, 0..plan.episodes()).unwrap().chunks(plan.group_size).map(<[_]>::to_vec).collect();
-            let (mut batch, _) = t.credit(&groups).unwrap();
+            let mut batch = t.credit.assign(&t.model.tokenizer, &groups).unwrap().batch;
             assert!(batch.rows.len() >= 4, "{mode:?}: rows to train on");
             if fallback == Fallback::Retry {
                 // The random model's replies are refused, so rows were generated from a retry prompt.
@@ -1035,8 +719,8 @@ pub(crate) mod tests {
         let device = Device::flex();
         let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
         let manager = MultiAdapterManager::new(&model.lm.config, &device);
-        let settings = trainer(vec![0, 1], 2).settings.clone();
-        let err = MagrpoTrainer::new(model, manager, Registry::with_builtins(), settings).err().unwrap().to_string();
+        let config = trainer(vec![0, 1], 2).config.clone();
+        let err = MagrpoTrainer::new(model, manager, Registry::with_builtins(), &config).err().unwrap().to_string();
         assert!(err.contains("seat 0 maps to agent 0"), "{err}");
     }
 }

@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use burn::tensor::{Tensor, TensorData};
 
-use super::batch::{TrainBatch, TrainRow};
+use super::credit::batch::{TrainBatch, TrainRow};
 use super::flops::FlopModel;
 use super::objective::{LossStats, Objective, RowTerms};
 use crate::adapters::optim::{adapter_grads, zero_grads, AdapterGrads};
 use crate::adapters::{AdapterMode, LoraAdapter, MultiAdapterManager};
-use crate::error::{Result, TroupeError};
+use crate::error::{Result, RunError, TroupeError};
 use crate::generate::choice::{candidate_logliks, choice_log_policy, chosen_indices, ChoiceScore, PackedChoices};
 use crate::generate::{completion_logprobs, ScoringBatch};
 use crate::model::Model;
@@ -172,12 +172,12 @@ impl Scorer<'_> {
         let skip = self.skip_zero_advantage && !with_reference;
         for row in batch.rows.iter().filter(|r| skip && r.advantage == 0.0) {
             if let Some(value) = row.sampling_logprobs.iter().find(|v| !v.is_finite()) {
-                return Err(TroupeError::NonFinite {
+                return Err(TroupeError::Run(RunError::NonFinite {
                     message: format!(
                         "a reply of agent {} was sampled with log-prob {value}; stopped before any update",
                         row.agent
                     ),
-                });
+                }));
             }
             if objective.config.kind == super::objective::ObjectiveKind::Clipped {
                 pass.stats.ratio_units += row.units();
@@ -350,7 +350,9 @@ fn accumulate(
     profile::since(Phase::UpdateForward, started);
     let backward_started = Instant::now();
     if !value.is_finite() {
-        return Err(TroupeError::NonFinite { message: format!("the loss is {value}; stopped before any update") });
+        return Err(TroupeError::Run(RunError::NonFinite {
+            message: format!("the loss is {value}; stopped before any update"),
+        }));
     }
     pass.loss += f64::from(value);
     let backward = loss.backward();
@@ -572,6 +574,6 @@ mod tests {
         batch.rows[3].sampling_logprobs[0] = f32::NAN;
         let err =
             scorer(&model, &manager, true).gradients(&batch, &objective(ObjectiveKind::Magrpo, 0.0), 7).err().unwrap();
-        assert!(matches!(err, TroupeError::NonFinite { .. }), "{err}");
+        assert!(matches!(err, TroupeError::Run(RunError::NonFinite { .. })), "{err}");
     }
 }

@@ -16,27 +16,23 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use troupe_envs::{Action, Environment};
 
-use super::batch::{TrainBatch, TrainRow};
-use super::objective::{KlEstimator, KlPenalty, Objective, ObjectiveConfig};
+use super::credit::batch::{TrainBatch, TrainRow};
+use super::objective::{KlPenalty, Objective, ObjectiveConfig};
 use super::optimizer::AgentOptimizers;
 use super::rollout::{make_env, prompt_text};
 use super::trainer::{label_non_finite, MagrpoTrainer};
 use crate::error::{Result, TroupeError};
 
-/// `training.format_warmup_*`: the warm-up's length, batch and rate.
-#[derive(Clone, Debug, PartialEq)]
-pub struct FormatWarmup {
-    /// Optimizer steps (0: no warm-up).
-    pub steps: usize,
-    /// Prompts per step.
-    pub batch_size: usize,
-    /// AdamW learning rate (constant; its moments are discarded afterwards).
-    pub lr: f64,
-}
-
-impl Default for FormatWarmup {
-    fn default() -> Self {
-        Self { steps: 0, batch_size: 16, lr: 1e-3 }
+crate::section::config_section! {
+    /// `training.format_warmup:` — supervised warm-up on the action format before the first
+    /// iteration: its length, batch and rate.
+    pub struct FormatWarmup {
+        /// Optimizer steps (0: no warm-up).
+        pub steps: usize = 0,
+        /// Prompts per step.
+        pub batch_size: usize = 16,
+        /// AdamW learning rate (constant; its moments are discarded afterwards).
+        pub lr: f64 = 1e-3,
     }
 }
 
@@ -48,25 +44,22 @@ impl FormatWarmup {
         if self.steps == 0 {
             return Ok(Vec::new());
         }
-        let settings = trainer.settings().clone();
+        let config = trainer.config().clone();
         let mut rng = ChaCha8Rng::seed_from_u64(trainer.rng_mut().random());
         let eos = trainer.model.tokenizer.eos_token_ids.first().copied();
         let mut envs: Vec<(Box<dyn Environment>, usize)> = Vec::with_capacity(self.batch_size);
         for _ in 0..self.batch_size.max(1) {
-            let mut env = make_env(trainer.registry(), &settings.env_spec)?;
+            let mut env = make_env(trainer.registry(), &config.env.spec())?;
             env.reset(rng.random());
             envs.push((env, 0));
         }
-        let objective = Objective {
-            config: ObjectiveConfig::default(),
-            kl: KlPenalty { coef: 0.0, estimator: KlEstimator::default() },
-        };
-        let mut optimizers = AgentOptimizers::new(settings.adamw.clone(), settings.max_grad_norm);
+        let objective = Objective { config: ObjectiveConfig::default(), kl: KlPenalty::default() };
+        let mut optimizers = AgentOptimizers::new(config.training.optimizer.clone(), config.training.max_grad_norm);
         let mut nll = Vec::with_capacity(self.steps);
         for step in 0..self.steps {
             let mut rows = Vec::with_capacity(envs.len());
             for (env, steps) in envs.iter_mut() {
-                if env.is_terminal() || *steps >= settings.rollout.max_episode_steps {
+                if env.is_terminal() || *steps >= config.training.max_episode_steps {
                     env.reset(rng.random());
                     *steps = 0;
                 }
@@ -74,18 +67,18 @@ impl FormatWarmup {
                 for seat in env.acting_seats() {
                     let legal = env.legal_actions(seat).filter(|l| !l.is_empty()).ok_or_else(|| {
                         TroupeError::setting(
-                            "training.format_warmup_steps",
+                            "training.format_warmup.steps",
                             format!("the format warm-up needs finite legal actions; {} has none", env.name()),
                         )
                     })?;
                     let pick = &legal[rng.random_range(0..legal.len())];
-                    let prompt = prompt_text(&trainer.model, env.as_ref(), seat, settings.rollout.chat_template, None)?;
+                    let prompt = prompt_text(&trainer.model, env.as_ref(), seat, config.action.chat_template, None)?;
                     let mut tokens = trainer.model.tokenizer.encode(&prompt)?;
                     let prompt_len = tokens.len();
                     tokens.extend(trainer.model.tokenizer.encode(&pick.text)?);
                     tokens.extend(eos);
                     rows.push(TrainRow {
-                        agent: settings.seat_agents[seat],
+                        agent: config.agents.seats[seat],
                         tokens,
                         prompt_len,
                         advantage: 1.0,

@@ -16,9 +16,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde_json::{json, Value};
-use troupe::rl::config::TrainConfig;
+use troupe::rl::config::{RewardsConfig, TrainConfig};
 use troupe::rl::eval::{play_held_out, MeanStderr};
-use troupe::rl::rewards::{RewardFunction, RewardPipeline, WeightedReward};
 use troupe::rl::rollout::EpisodeRecord;
 use troupe::rl::run::{fresh_adapters, load_model, PendingIteration, TrainingRun};
 use troupe::rl::trainer::{MagrpoTrainer, RolloutPlan};
@@ -296,7 +295,7 @@ fn evaluate_rewards(run: &TrainingRun, episodes: Option<usize>) -> troupe::Resul
     let count = episodes.unwrap_or(config.eval.episodes).max(1);
     // Every seat is its agent's, whatever `eval.baseline_seats` says.
     let records = play_held_out(&t.model, &t.manager, config, count, t.registry(), &mut Default::default())?;
-    let rewards = t.episode_rewards(&records)?;
+    let rewards = t.credit().episode_rewards(&t.model.tokenizer, &records)?;
     let mut per_agent = serde_json::Map::new();
     for agent in t.manager.agent_ids() {
         let values: Vec<f64> = rewards
@@ -359,11 +358,9 @@ impl RolloutWorker {
         let trainer = without_gil(py, (config, registry, device), |(config, registry, device)| {
             let model = load_model(&config, &device).map_err(|e| e.to_string())?;
             let manager = fresh_adapters(&config, &model).map_err(|e| e.to_string())?;
-            let mut settings = config.trainer_settings().map_err(|e| e.to_string())?;
-            settings.rewards =
-                RewardPipeline::new(vec![WeightedReward::builtin(RewardFunction::EnvReturn, 1.0)], vec![])
-                    .map_err(|e| e.to_string())?;
-            MagrpoTrainer::new(model, manager, registry, settings).map_err(|e| e.to_string())
+            // A rollout worker computes no reward: the learner does.
+            let config = TrainConfig { rewards: RewardsConfig::default(), ..config };
+            MagrpoTrainer::new(model, manager, registry, &config).map_err(|e| e.to_string())
         })
         .map_err(engine_error)?;
         Ok(Self { trainer: Box::new(trainer) })

@@ -15,9 +15,9 @@ fn model_type(file: &GgufFile) -> Result<(ModelType, String)> {
         "qwen2" => ModelType::Qwen2,
         "qwen3" => ModelType::Qwen3,
         _ => {
-            return Err(TroupeError::ConfigField {
-                path: file.path().to_path_buf(),
-                field: "general.architecture".into(),
+            return Err(TroupeError::BadValue {
+                origin: Some(file.path().to_path_buf()),
+                key: "general.architecture".into(),
                 message: format!("{arch:?} is not supported (supported: llama, qwen2, qwen3)"),
             })
         }

@@ -14,7 +14,7 @@ use gguf_rs_lib::reader::file_reader::GGUFFileReader;
 use gguf_rs_lib::GGUFError;
 
 use super::dequant::GgmlType;
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 
 /// One tensor of the directory.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,7 +72,7 @@ fn container_error(path: &Path, err: GGUFError) -> TroupeError {
         GGUFError::InvalidMagic { .. } => format!("not a GGUF file ({err})"),
         _ => format!("not a valid GGUF file: {err}"),
     };
-    TroupeError::Gguf { path: path.to_path_buf(), message }
+    TroupeError::Model(ModelError::Gguf { path: path.to_path_buf(), message })
 }
 
 impl GgufFile {
@@ -85,10 +85,12 @@ impl GgufFile {
         let mut index = HashMap::new();
         for info in reader.tensor_infos() {
             let crate_type = info.tensor_type();
-            let ggml_type = GgmlType::from_ggml_id(crate_type as u32).ok_or_else(|| TroupeError::GgufTensorType {
-                path: path.to_path_buf(),
-                tensor: info.name().to_string(),
-                type_name: crate_type.name().to_string(),
+            let ggml_type = GgmlType::from_ggml_id(crate_type as u32).ok_or_else(|| {
+                TroupeError::Model(ModelError::GgufTensorType {
+                    path: path.to_path_buf(),
+                    tensor: info.name().to_string(),
+                    type_name: crate_type.name().to_string(),
+                })
             })?;
             let mut shape: Vec<usize> = info.shape().dims().iter().map(|&d| d as usize).collect();
             shape.reverse();
@@ -121,14 +123,13 @@ impl GgufFile {
 
     /// The stored bytes of tensor `name` (blocks as they are in the file).
     pub fn tensor_bytes(&self, name: &str) -> Result<Vec<u8>> {
-        let entry = self
-            .tensor(name)
-            .ok_or_else(|| TroupeError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
+        let entry = self.tensor(name).ok_or_else(|| {
+            TroupeError::Model(ModelError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })
+        })?;
         let mut reader = self.reader.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        let data = reader
-            .load_tensor_data(name)
-            .map_err(|e| container_error(&self.path, e))?
-            .ok_or_else(|| TroupeError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })?;
+        let data = reader.load_tensor_data(name).map_err(|e| container_error(&self.path, e))?.ok_or_else(|| {
+            TroupeError::Model(ModelError::MissingTensor { path: self.path.clone(), tensor: name.to_string() })
+        })?;
         let bytes = data.into_owned();
         if bytes.len() != entry.byte_len() {
             return Err(self.error(format!(
@@ -144,7 +145,7 @@ impl GgufFile {
 
     /// A [`TroupeError::Gguf`] for this file.
     pub fn error(&self, message: impl Into<String>) -> TroupeError {
-        TroupeError::Gguf { path: self.path.clone(), message: message.into() }
+        TroupeError::Model(ModelError::Gguf { path: self.path.clone(), message: message.into() })
     }
 
     /// The raw metadata value of `key`, if present.

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use serde_json::{json, Value};
 
 use super::container::GgufFile;
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 use crate::model::TextTokenizer;
 
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -83,12 +83,12 @@ pub fn read_tokenizer(file: &GgufFile, eos_token_ids: &[u32]) -> Result<TextToke
         .string("tokenizer.ggml.model")?
         .ok_or_else(|| file.error("metadata `tokenizer.ggml.model` is missing (the file has no tokenizer)"))?;
     if model != "gpt2" {
-        return Err(TroupeError::Tokenizer {
+        return Err(TroupeError::Model(ModelError::Tokenizer {
             path: file.path().to_path_buf(),
             message: format!(
                 "tokenizer.ggml.model {model:?} is not supported (troupe reads GPT-2-style byte-level BPE, \"gpt2\")"
             ),
-        });
+        }));
     }
     let tokens = file
         .strings("tokenizer.ggml.tokens")?
@@ -144,9 +144,11 @@ pub fn read_tokenizer(file: &GgufFile, eos_token_ids: &[u32]) -> Result<TextToke
         },
     });
     let bytes = serde_json::to_vec(&document).expect("a JSON value serializes");
-    let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TroupeError::Tokenizer {
-        path: file.path().to_path_buf(),
-        message: format!("cannot build the BPE tokenizer from the metadata: {e}"),
+    let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        TroupeError::Model(ModelError::Tokenizer {
+            path: file.path().to_path_buf(),
+            message: format!("cannot build the BPE tokenizer from the metadata: {e}"),
+        })
     })?;
     let token_of = |key: &str| -> Result<Option<String>> {
         Ok(match file.uint(key)? {

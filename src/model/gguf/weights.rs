@@ -11,7 +11,7 @@
 use super::config::gguf_name;
 use super::container::{GgufFile, TensorEntry};
 use super::dequant::{dequantize, GgmlType};
-use crate::error::{Result, TroupeError};
+use crate::error::{ModelError, Result, TroupeError};
 use crate::model::safetensors_io::HostTensor;
 use crate::model::weights::WeightSource;
 use crate::model::{ModelConfig, ModelType};
@@ -89,19 +89,23 @@ impl GgufWeights {
 
     /// The directory entry for the HF name `name`, checked against `shape`.
     fn entry(&self, name: &str, shape: &[usize]) -> Result<&TensorEntry> {
-        let missing = || TroupeError::MissingTensor { path: self.file.path().to_path_buf(), tensor: name.to_string() };
+        let missing = || {
+            TroupeError::Model(ModelError::MissingTensor {
+                path: self.file.path().to_path_buf(),
+                tensor: name.to_string(),
+            })
+        };
         let gguf = gguf_name(name).ok_or_else(missing)?;
-        let entry = self
-            .file
-            .tensor(&gguf)
-            .ok_or_else(|| TroupeError::MissingTensor { path: self.file.path().to_path_buf(), tensor: gguf.clone() })?;
+        let entry = self.file.tensor(&gguf).ok_or_else(|| {
+            TroupeError::Model(ModelError::MissingTensor { path: self.file.path().to_path_buf(), tensor: gguf.clone() })
+        })?;
         if entry.shape != shape {
-            return Err(TroupeError::ShapeMismatch {
+            return Err(TroupeError::Model(ModelError::ShapeMismatch {
                 path: self.file.path().to_path_buf(),
                 tensor: gguf,
                 expected: shape.to_vec(),
                 got: entry.shape.clone(),
-            });
+            }));
         }
         Ok(entry)
     }

@@ -14,7 +14,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 
 use super::metrics::{metrics_path, read_metrics, IterationMetrics};
-use crate::error::{Result, TroupeError};
+use crate::error::{Result, RunError, TroupeError};
 
 /// The plots' folder inside a run directory.
 pub const PLOTS_DIR: &str = "plots";
@@ -199,7 +199,10 @@ fn register_font() -> Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(TroupeError::Plot { path: PathBuf::from(PLOTS_DIR), message: "the embedded font did not load".to_string() })
+        Err(TroupeError::Run(RunError::Plot {
+            path: PathBuf::from(PLOTS_DIR),
+            message: "the embedded font did not load".to_string(),
+        }))
     }
 }
 
@@ -212,7 +215,7 @@ fn write_png_atomic(
     size: (u32, u32),
     draw: impl FnOnce(&DrawingArea<BitMapBackend<'_>, Shift>) -> DrawResult,
 ) -> Result<()> {
-    let fail = |message: String| TroupeError::Plot { path: path.to_path_buf(), message };
+    let fail = |message: String| TroupeError::Run(RunError::Plot { path: path.to_path_buf(), message });
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("plot");
     // The backend picks the encoder from the extension, so the temporary name ends in `.png`.
@@ -335,7 +338,7 @@ fn starts_higher_than_it_ends(chart: &Chart) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rl::metrics::MetricsWriter;
+    use crate::rl::run::metrics::MetricsWriter;
 
     fn record(iteration: u64) -> IterationMetrics {
         let t = iteration as f64;

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use crate::adapters::lora::peft_key;
 use crate::adapters::optim::Moments;
 use crate::adapters::{AdamWState, MultiAdapterManager};
-use crate::error::{Result, TroupeError};
+use crate::error::{Result, RunError, TroupeError};
 use crate::fsutil::{write_atomic, write_dir_atomic};
 use crate::model::safetensors_io::{write_safetensors, HostTensor, TensorStore};
 
@@ -57,7 +57,7 @@ impl RngState {
     /// The generator at the captured position. `origin` names the file in errors.
     pub fn restore(&self, origin: &Path) -> Result<ChaCha8Rng> {
         use rand::SeedableRng;
-        let bad = |message: String| TroupeError::Checkpoint { path: origin.to_path_buf(), message };
+        let bad = |message: String| TroupeError::Run(RunError::Checkpoint { path: origin.to_path_buf(), message });
         if self.seed.len() != 64 {
             return Err(bad(format!("rng.seed must be 64 hex digits, found {} characters", self.seed.len())));
         }
@@ -203,10 +203,10 @@ pub fn load_checkpoint(dir: &Path, manager: &mut MultiAdapterManager, device: &D
     let state: StateFile = serde_json::from_str(&text)
         .map_err(|e| TroupeError::Json { path: state_path.clone(), message: e.to_string() })?;
     if state.format != FORMAT {
-        return Err(TroupeError::Checkpoint {
+        return Err(TroupeError::Run(RunError::Checkpoint {
             path: state_path,
             message: format!("format {:?} is not {FORMAT:?}", state.format),
-        });
+        }));
     }
     let rng = state.rng.restore(&state_path)?;
     let optimizer_path = dir.join(OPTIMIZER_FILE);
@@ -215,9 +215,11 @@ pub fn load_checkpoint(dir: &Path, manager: &mut MultiAdapterManager, device: &D
     loaded.load_adapters(&dir.join(ADAPTERS_DIR))?;
     let mut optimizer_states = BTreeMap::new();
     for (name, &step) in &state.optimizer_steps {
-        let adapter = loaded.adapter_by_name(name).ok_or_else(|| TroupeError::Checkpoint {
-            path: state_path.clone(),
-            message: format!("optimizer_steps names adapter {name:?}, which the checkpoint's adapters lack"),
+        let adapter = loaded.adapter_by_name(name).ok_or_else(|| {
+            TroupeError::Run(RunError::Checkpoint {
+                path: state_path.clone(),
+                message: format!("optimizer_steps names adapter {name:?}, which the checkpoint's adapters lack"),
+            })
         })?;
         let mut moments = BTreeMap::new();
         for (&site, pair) in &adapter.pairs {

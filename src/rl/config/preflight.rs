@@ -7,10 +7,10 @@ use std::path::Path;
 
 use troupe_envs::Registry;
 
-use super::config::TrainConfig;
-use super::rollout::prompt_text;
+use super::TrainConfig;
 use crate::error::{Result, TroupeError};
 use crate::model::Model;
+use crate::rl::rollout::prompt_text;
 
 /// Start states sampled to measure prompt lengths (the run's seed and the ones after it).
 const SAMPLED_STARTS: u64 = 4;
@@ -20,8 +20,11 @@ const SAMPLED_STARTS: u64 = 4;
 pub fn check_against_model(config: &TrainConfig, origin: &Path, model: &Model, registry: &Registry) -> Result<()> {
     let context = model.lm.config.max_position_embeddings;
     let budget = config.action.max_new_tokens;
-    let fail =
-        |key: &str, message: String| TroupeError::Config { path: origin.to_path_buf(), key: key.to_string(), message };
+    let fail = |key: &str, message: String| TroupeError::BadValue {
+        origin: Some(origin.to_path_buf()),
+        key: key.to_string(),
+        message,
+    };
     if budget >= context {
         return Err(fail(
             "action.max_new_tokens",
@@ -30,7 +33,7 @@ pub fn check_against_model(config: &TrainConfig, origin: &Path, model: &Model, r
             ),
         ));
     }
-    let chat_template = config.rollout_config().chat_template;
+    let chat_template = config.action.chat_template;
     let mut env = config.build_env(origin, registry)?;
     let mut longest = (0usize, 0u64);
     for offset in 0..SAMPLED_STARTS {

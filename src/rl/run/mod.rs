@@ -7,26 +7,47 @@
 //! the newest complete checkpoint, cuts `metrics.jsonl` back to it, and continues with the same
 //! random stream, so 2 + resume + 2 iterations equal 4 straight.
 //!
-//! No dead ends: the run directory is locked for the run's life ([`super::lock`]); a run cut
+//! No dead ends: the run directory is locked for the run's life ([`self::lock`]); a run cut
 //! off before its first checkpoint was whole resumes from the start with `--resume`; an
 //! unreadable newest checkpoint is set aside (renamed `corrupt-iteration-N`) and the previous
 //! one is used, with a warning; a config that cannot fit the model is refused before the
-//! directory is created ([`super::preflight`]); edits to `config.yaml` are checked on resume
-//! ([`super::config_guard`]).
+//! directory is created ([`super::config::preflight`]); edits to `config.yaml` are checked on resume
+//! ([`super::config::guard`]).
+
+pub mod checkpoint;
+pub mod lock;
+pub mod metrics;
+pub mod plot;
 
 use std::path::{Path, PathBuf};
 
 use troupe_envs::Registry;
 
-use super::checkpoint::{clean_staging, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint};
+use self::checkpoint::{clean_staging, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint};
+use self::lock::{RunLock, LOCK_FILE};
+use self::metrics::{truncate_to, IterationMetrics, MetricsWriter};
 use super::config::{TrainConfig, CONFIG_FILE};
-use super::lock::{RunLock, LOCK_FILE};
-use super::metrics::{truncate_to, IterationMetrics, MetricsWriter};
 use super::rollout::EpisodeRecord;
 use super::trainer::{MagrpoTrainer, RolloutPlan, TrainerState};
 use crate::adapters::{AdapterMode, MultiAdapterManager};
-use crate::error::{Result, TroupeError};
-use crate::model::{BaseFormat, Model};
+use crate::error::{Result, RunError, TroupeError};
+use crate::model::Model;
+
+crate::section::config_section! {
+    /// `run:` — the run directory, seed, length and cadence.
+    pub struct RunConfig {
+        /// The run directory (config.yaml, metrics.jsonl, checkpoints, plots).
+        pub out_dir: std::path::PathBuf = std::path::PathBuf::from("runs/hanabi"),
+        /// Seed of everything the run samples (deals, generations, dropout).
+        pub seed: u64 = 0,
+        /// Training iterations.
+        pub iterations: usize = 30,
+        /// A checkpoint every this many iterations (and after the last one).
+        pub checkpoint_every: usize = 5,
+        /// A log line every this many iterations (metrics.jsonl gets every iteration).
+        pub log_every: usize = 1,
+    }
+}
 
 /// A run in progress: its directory, config, trainer and metrics file.
 pub struct TrainingRun {
@@ -58,17 +79,12 @@ pub struct PendingIteration {
 
 /// The model a config names: a Hugging Face directory, or the built-in preset.
 pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result<Model> {
-    match &config.model.path {
-        Some(path) => Model::from_path_as(path, device, BaseFormat::from_flag(config.model.quantized)),
-        None => {
-            let preset = config.model.preset().map_err(|message| TroupeError::Config {
-                path: PathBuf::from(CONFIG_FILE),
-                key: "model.preset".into(),
-                message,
-            })?;
-            Model::builtin_as(preset, config.model.seed, device, BaseFormat::from_flag(config.model.quantized))
+    Model::load(&config.model, device).map_err(|err| match err {
+        TroupeError::BadValue { key: name, message, .. } if name == "model.preset" => {
+            TroupeError::BadValue { origin: Some(PathBuf::from(CONFIG_FILE)), key: name, message }
         }
-    }
+        other => other,
+    })
 }
 
 /// The agents' fresh adapters, as the config asks (seeded from the run seed).
@@ -105,7 +121,7 @@ impl TrainingRun {
         };
         check_fresh_dir(&run_dir)?;
         let model = load_model(&config, device)?;
-        super::preflight::check_against_model(&config, origin, &model, &registry)?;
+        super::config::preflight::check_against_model(&config, origin, &model, &registry)?;
         let lock = match early_lock {
             Some(lock) => lock,
             None => RunLock::acquire(&run_dir)?,
@@ -119,10 +135,10 @@ impl TrainingRun {
     /// the config, an empty `metrics.jsonl` and the checkpoint of iteration 0.
     fn begin(config: TrainConfig, run_dir: PathBuf, model: Model, registry: Registry, lock: RunLock) -> Result<Self> {
         let manager = fresh_adapters(&config, &model)?;
-        let trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
+        let trainer = MagrpoTrainer::new(model, manager, registry, &config)?;
         config.save(&run_dir)?;
-        super::config_guard::record(&config, &run_dir)?;
-        let _ = std::fs::remove_file(super::metrics::metrics_path(&run_dir));
+        super::config::guard::record(&config, &run_dir)?;
+        let _ = std::fs::remove_file(self::metrics::metrics_path(&run_dir));
         let metrics = MetricsWriter::open(&run_dir)?;
         let state = trainer.state();
         let dir = save_checkpoint(&run_dir, 0, &trainer.manager, &state.optimizer_states, &state.rng)?;
@@ -140,24 +156,20 @@ impl TrainingRun {
     ) -> Result<Self> {
         let config_path = run_dir.join(CONFIG_FILE);
         if !config_path.exists() {
-            return Err(TroupeError::Checkpoint {
+            return Err(TroupeError::Run(RunError::Checkpoint {
                 path: run_dir.to_path_buf(),
                 message: format!("no {CONFIG_FILE}: not a run directory"),
-            });
+            }));
         }
         let lock = RunLock::acquire(run_dir)?;
         for raw in overrides {
             let key = raw.split('=').next().unwrap_or("").trim();
             if !matches!(key, "run.iterations" | "run.checkpoint_every" | "run.log_every") {
-                return Err(TroupeError::Config {
-                    path: PathBuf::from("--set"),
-                    key: key.to_string(),
-                    message: "a resumed run keeps its config; only run.iterations, run.checkpoint_every and run.log_every may change".into(),
-                });
+                return Err(TroupeError::BadValue { origin: Some(PathBuf::from("--set")), key: key.to_string(), message: "a resumed run keeps its config; only run.iterations, run.checkpoint_every and run.log_every may change".into() });
             }
         }
         let mut config = TrainConfig::from_yaml_file(&config_path, overrides, &registry)?;
-        super::config_guard::check_resume(&config, run_dir)?;
+        super::config::guard::check_resume(&config, run_dir)?;
         // The run lives where it is now, even if it was moved since it started.
         config.run.out_dir = run_dir.to_path_buf();
         clean_staging(run_dir)?;
@@ -169,12 +181,12 @@ impl TrainingRun {
                 "{} has no complete checkpoint (the run stopped while writing its first); starting it again from iteration 0",
                 run_dir.display()
             );
-            super::preflight::check_against_model(&config, &config_path, &model, &registry)?;
+            super::config::preflight::check_against_model(&config, &config_path, &model, &registry)?;
             return Self::begin(config, run_dir.to_path_buf(), model, registry, lock);
         }
         let mut manager = fresh_adapters(&config, &model)?;
         let (checkpoint, dir) = load_newest_readable(run_dir, &mut manager, device)?;
-        let mut trainer = MagrpoTrainer::new(model, manager, registry, config.trainer_settings()?)?;
+        let mut trainer = MagrpoTrainer::new(model, manager, registry, &config)?;
         trainer.restore(TrainerState {
             iteration: checkpoint.iteration,
             rng: checkpoint.rng,
@@ -292,19 +304,19 @@ impl TrainingRun {
 /// a lock file (a directory troupe did not make is not troupe's to fill).
 fn check_fresh_dir(run_dir: &Path) -> Result<()> {
     if run_dir.join(CONFIG_FILE).exists() || latest_checkpoint(run_dir)?.is_some() {
-        return Err(TroupeError::Checkpoint {
+        return Err(TroupeError::Run(RunError::Checkpoint {
             path: run_dir.to_path_buf(),
             message: format!(
                 "already holds a run; continue it with `troupe train --resume {}` or choose another run.out_dir",
                 run_dir.display()
             ),
-        });
+        }));
     }
     if run_dir.exists() && !run_dir.is_dir() {
-        return Err(TroupeError::Checkpoint {
+        return Err(TroupeError::Run(RunError::Checkpoint {
             path: run_dir.to_path_buf(),
             message: "run.out_dir is a file, not a directory".into(),
-        });
+        }));
     }
     if let Ok(entries) = std::fs::read_dir(run_dir) {
         let others: Vec<String> = entries
@@ -313,14 +325,14 @@ fn check_fresh_dir(run_dir: &Path) -> Result<()> {
             .filter(|name| name != LOCK_FILE)
             .collect();
         if !others.is_empty() {
-            return Err(TroupeError::Checkpoint {
+            return Err(TroupeError::Run(RunError::Checkpoint {
                 path: run_dir.to_path_buf(),
                 message: format!(
                     "exists and is not a run directory (it holds {}{}); choose an empty or new run.out_dir",
                     others.iter().take(3).cloned().collect::<Vec<_>>().join(", "),
                     if others.len() > 3 { ", ..." } else { "" }
                 ),
-            });
+            }));
         }
     }
     Ok(())
@@ -333,7 +345,7 @@ fn load_newest_readable(
     run_dir: &Path,
     manager: &mut MultiAdapterManager,
     device: &burn::tensor::Device,
-) -> Result<(super::checkpoint::Checkpoint, PathBuf)> {
+) -> Result<(self::checkpoint::Checkpoint, PathBuf)> {
     let mut failures: Vec<String> = Vec::new();
     for (_, dir) in list_checkpoints(run_dir)?.into_iter().rev() {
         match load_checkpoint(&dir, manager, device) {
@@ -357,8 +369,8 @@ fn load_newest_readable(
             }
         }
     }
-    Err(TroupeError::Checkpoint {
-        path: run_dir.join(super::checkpoint::CHECKPOINTS_DIR),
+    Err(TroupeError::Run(RunError::Checkpoint {
+        path: run_dir.join(self::checkpoint::CHECKPOINTS_DIR),
         message: format!("no readable checkpoint to resume from: {}", failures.join("; ")),
-    })
+    }))
 }

@@ -9,7 +9,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use crate::error::{Result, TroupeError};
+use crate::error::{Result, RunError, TroupeError};
 
 /// The lock file inside a run directory.
 pub const LOCK_FILE: &str = ".lock";
@@ -41,7 +41,7 @@ impl RunLock {
                 let mut text = String::new();
                 let _ = file.read_to_string(&mut text);
                 let holder = text.split_whitespace().next().and_then(|pid| pid.parse().ok());
-                return Err(TroupeError::RunInUse { path: run_dir.to_path_buf(), holder });
+                return Err(TroupeError::Run(RunError::RunInUse { path: run_dir.to_path_buf(), holder }));
             }
             return Err(TroupeError::io(&path, err));
         }
@@ -72,7 +72,7 @@ mod tests {
         let first = RunLock::acquire(&run).expect("free");
         // flock locks belong to the open file: a second open in this process conflicts too.
         match RunLock::acquire(&run) {
-            Err(TroupeError::RunInUse { holder, .. }) => assert_eq!(holder, Some(std::process::id())),
+            Err(TroupeError::Run(RunError::RunInUse { holder, .. })) => assert_eq!(holder, Some(std::process::id())),
             other => panic!("expected RunInUse, got {other:?}"),
         }
         drop(first);

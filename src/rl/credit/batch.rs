@@ -4,7 +4,7 @@
 //! sampled (TRL's `_generate_and_score_completions` output, as named rows).
 //!
 //! Credit assignment ([`TrainBatch::from_groups`]) is the seam of advantage estimators
-//! ([`super::advantage`]): per group (G episodes from one start) and agent, each turn's return
+//! ([`crate::rl::credit::advantage`]): per group (G episodes from one start) and agent, each turn's return
 //! is compared with the group's returns at the agent's same turn index (AT-GRPO's grouping by
 //! agent and turn) or with all the agent's turns in the group, per `training.group_by`.
 
@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde::{Deserialize, Serialize};
 
 use super::advantage::{estimate_turn_advantages, scale_by_batch_std, AdvantageBaseline, RewardScaling};
-use super::rollout::{ChoiceTurn, EpisodeRecord};
+use crate::rl::rollout::{ChoiceTurn, EpisodeRecord};
 
 /// Which returns a turn's advantage is measured against (`training.group_by`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,7 +11,8 @@ use crate::error::{Result, TroupeError};
 
 /// Refuses `text` (the file `origin`) when it holds no config or a section without a value.
 pub fn check_whole(text: &str, origin: &Path) -> Result<()> {
-    let fail = |key: String, message: String| TroupeError::Config { path: origin.to_path_buf(), key, message };
+    let fail =
+        |key: String, message: String| TroupeError::BadValue { origin: Some(origin.to_path_buf()), key, message };
     // A syntax error is reported by the parser proper, with its line and column.
     let Ok(tree) = serde_yaml::from_str::<Yaml>(text) else { return Ok(()) };
     if tree.is_null() {

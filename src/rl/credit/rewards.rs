@@ -4,13 +4,32 @@
 //!
 //! This is pure arithmetic on what an episode reports ([`SeatOutcome`]: the seat's return, its
 //! invalid-action count, the episode metrics, and the values external reward functions gave it
-//! — those are computed beforehand by [`super::external_reward`]), so it does not depend on how
+//! — those are computed beforehand by [`crate::rl::credit::external_reward`]), so it does not depend on how
 //! rollouts are run.
 
 use serde::{Deserialize, Serialize};
 use troupe_envs::EpisodeMetrics;
 
-use crate::error::{Result, TroupeError};
+use crate::error::{EnvironmentError, Result, TroupeError};
+
+crate::section::config_section! {
+    /// `rewards:` — weighted reward functions, then processors in order.
+    pub struct RewardsConfig {
+        /// The functions summed (`env_return`, `score`, `invalid_actions`, `external`, a
+        /// registered one), each with a weight.
+        pub functions: Vec<WeightedReward> = vec![WeightedReward::builtin(RewardFunction::EnvReturn, 1.0)],
+        /// Applied in order to the sum: `identity`, `scale {factor}`, `clamp {min, max}`,
+        /// `sigmoid`.
+        pub processors: Vec<RewardProcessor> = vec![RewardProcessor::Identity],
+    }
+}
+
+impl RewardsConfig {
+    /// The reward pipeline these sections describe (checked: weights, processors' ranges).
+    pub fn pipeline(&self) -> Result<RewardPipeline> {
+        RewardPipeline::new(self.functions.clone(), self.processors.clone())
+    }
+}
 
 /// A reward function, by the name configs use (`rewards.functions[i].name`): a built-in one,
 /// `external`, or any other name, which must be registered in the [`troupe_envs::Registry`]
@@ -25,7 +44,7 @@ pub enum RewardFunction {
     /// Minus the number of invalid actions the seat produced.
     InvalidActions,
     /// A reward function in another process, any language (`command`), called with every
-    /// episode's completions in one batch ([`super::external_reward`]).
+    /// episode's completions in one batch ([`crate::rl::credit::external_reward`]).
     External,
     /// A function a plug-in registered under this name.
     Registered(String),
@@ -76,10 +95,12 @@ impl RewardFunction {
                 outcome.computed.get(index).copied().ok_or_else(|| TroupeError::reward(self.name(), "gave no value"))
             }
             RewardFunction::EnvReturn => Ok(outcome.env_return),
-            RewardFunction::Score => outcome.metrics.get("score").copied().ok_or_else(|| TroupeError::MissingMetric {
-                function: self.name().to_string(),
-                metric: "score".to_string(),
-                known: outcome.metrics.keys().cloned().collect::<Vec<_>>().join(", "),
+            RewardFunction::Score => outcome.metrics.get("score").copied().ok_or_else(|| {
+                TroupeError::Environment(EnvironmentError::MissingMetric {
+                    function: self.name().to_string(),
+                    metric: "score".to_string(),
+                    known: outcome.metrics.keys().cloned().collect::<Vec<_>>().join(", "),
+                })
             }),
             RewardFunction::InvalidActions => Ok(-(outcome.invalid_actions as f64)),
         }

@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize};
 
-use super::trainer::IterationStats;
 use crate::error::{Result, TroupeError};
 use crate::fsutil::write_atomic;
+use crate::rl::trainer::IterationStats;
 
 /// The metrics file's name inside a run directory.
 pub const METRICS_FILE: &str = "metrics.jsonl";

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use super::config::{TrainConfig, CONFIG_FILE};
+use super::{TrainConfig, CONFIG_FILE};
 use crate::error::{Result, TroupeError};
 
 /// The reference copy of the config a run started with.
@@ -74,7 +74,7 @@ pub fn check_resume(config: &TrainConfig, run_dir: &Path) -> Result<()> {
     // A reference an earlier version recorded is read as this version reads configs (moved keys
     // in their new places, keys it did not have at the defaults it behaved by), so only real
     // edits remain; one that does not parse is compared as recorded.
-    let reference = match super::config::upgrade_recorded(&recorded) {
+    let reference = match crate::rl::config::migrate::upgrade_recorded(&recorded) {
         Some(upgraded) => serde_json::to_value(upgraded).unwrap_or(recorded),
         None => recorded,
     };
@@ -88,8 +88,8 @@ pub fn check_resume(config: &TrainConfig, run_dir: &Path) -> Result<()> {
     if refused.is_empty() {
         return Ok(());
     }
-    Err(TroupeError::Config {
-        path: run_dir.join(CONFIG_FILE),
+    Err(TroupeError::BadValue {
+        origin: Some(run_dir.join(CONFIG_FILE)),
         key: String::new(),
         message: format!(
             "edited since the run started: {}; a resumed run continues the same experiment, so only {} may change \
@@ -115,12 +115,12 @@ mod tests {
         training.insert("micro_batch_rows".into(), Value::from(16));
         old.as_object_mut().unwrap().remove("runtime");
         old["eval"].as_object_mut().unwrap().insert("batch_episodes".into(), Value::from(64));
-        let upgraded = serde_json::to_value(super::super::config::upgrade_recorded(&old).unwrap()).unwrap();
+        let upgraded = serde_json::to_value(super::super::migrate::upgrade_recorded(&old).unwrap()).unwrap();
         let current = serde_json::to_value(TrainConfig::default()).unwrap();
         assert_eq!(differences(&upgraded, &current), vec![]);
         // A real edit still shows.
         old["training"]["micro_batch_rows"] = Value::from(8);
-        let upgraded = serde_json::to_value(super::super::config::upgrade_recorded(&old).unwrap()).unwrap();
+        let upgraded = serde_json::to_value(super::super::migrate::upgrade_recorded(&old).unwrap()).unwrap();
         let keys: Vec<String> = differences(&upgraded, &current).into_iter().map(|(k, _, _)| k).collect();
         assert_eq!(keys, vec!["runtime.micro_batch_rows".to_string()]);
     }

@@ -1,0 +1,317 @@
+//! The credit phase: what each reply or decision of a rollout earned. Reward functions and
+//! processors ([`rewards`], [`external_reward`]) give every seat its episode reward, shaped per
+//! step ([`shaped_step_rewards`]) so step-level credit survives; returns are discounted per turn
+//! ([`turn_returns`]) and compared within their group ([`advantage`]) into the
+//! [`batch::TrainBatch`] the update trains on.
+
+pub mod advantage;
+pub mod batch;
+pub mod external_reward;
+pub mod rewards;
+
+use std::collections::BTreeMap;
+
+use troupe_envs::{RegisteredReward, Registry, RewardInput};
+
+use crate::error::{Result, TroupeError};
+use crate::model::TextTokenizer;
+use crate::rl::config::TrainConfig;
+use crate::rl::rollout::EpisodeRecord;
+use advantage::mean_std;
+use batch::{AdvantageSettings, TrainBatch};
+use external_reward::{ExternalRewards, RewardItem};
+use rewards::{RewardFunction, RewardPipeline, SeatOutcome};
+
+/// Every episode's shaped rewards, `[group][episode][seat][step]` ([`shaped_step_rewards`]).
+type ShapedRewards = Vec<Vec<Vec<Vec<f64>>>>;
+
+/// The credit phase: the reward pipeline (built-in, registered and external functions, then
+/// processors), the discount and the advantage estimator, over one run's seats.
+pub struct Credit {
+    rewards: RewardPipeline,
+    /// The external reward processes the pipeline lists (started once, for the run).
+    external: ExternalRewards,
+    /// The registered reward functions the pipeline lists, in order, with their names.
+    registered: Vec<(String, RegisteredReward)>,
+    gamma: f64,
+    advantage: AdvantageSettings,
+    seat_agents: Vec<usize>,
+}
+
+/// What the credit phase gives the update: the batch, and its statistics.
+pub struct Credited {
+    /// One row per reply or decision, with its advantage.
+    pub batch: TrainBatch,
+    /// The agents' returns.
+    pub stats: CreditStats,
+}
+
+/// The credit phase's statistics: per agent, the mean and std over episodes of the summed
+/// shaped rewards of the seats it plays (penalties included).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CreditStats {
+    /// Per agent: mean return.
+    pub mean_return: BTreeMap<usize, f64>,
+    /// Per agent: std of the return.
+    pub std_return: BTreeMap<usize, f64>,
+}
+
+impl CreditStats {
+    fn of(shaped: &ShapedRewards, seat_agents: &[usize]) -> Self {
+        let mut stats = Self::default();
+        let agents: std::collections::BTreeSet<usize> = seat_agents.iter().copied().collect();
+        for agent in agents {
+            // An agent's return: the summed shaped rewards of the seats it plays.
+            let returns: Vec<f64> = shaped
+                .iter()
+                .flatten()
+                .map(|per_seat| {
+                    per_seat
+                        .iter()
+                        .enumerate()
+                        .filter(|(seat, _)| seat_agents.get(*seat) == Some(&agent))
+                        .map(|(_, r)| r.iter().sum::<f64>())
+                        .sum()
+                })
+                .collect();
+            let (m, s) = mean_std(&returns);
+            stats.mean_return.insert(agent, m);
+            stats.std_return.insert(agent, s);
+        }
+        stats
+    }
+}
+
+impl Credit {
+    /// The credit phase of `config` (`rewards:`, `training.gamma`, the advantage settings,
+    /// `agents.seats`), with registered reward functions from `registry`; external reward
+    /// processes are started here.
+    pub fn new(config: &TrainConfig, registry: &Registry) -> Result<Self> {
+        let rewards = config.reward_pipeline()?;
+        let mut registered = Vec::new();
+        for function in rewards.functions() {
+            if let RewardFunction::Registered(name) = &function.name {
+                let found = registry.reward(name).ok_or_else(|| {
+                    TroupeError::setting("rewards.functions", format!("no reward function {name:?} is registered"))
+                })?;
+                registered.push((name.clone(), found));
+            }
+        }
+        let external = ExternalRewards::start(&rewards)?;
+        Ok(Self {
+            rewards,
+            external,
+            registered,
+            gamma: config.training.gamma,
+            advantage: config.training.advantage_settings(),
+            seat_agents: config.agents.seats.clone(),
+        })
+    }
+
+    /// The computed reward functions' values for `episodes`, `[episode][seat][function]` in the
+    /// pipeline's order: registered per-seat functions called per seat, registered batch
+    /// functions once with every episode, external ones with one exchange per function (empty
+    /// lists when there is none).
+    pub(crate) fn computed_reward_values(
+        &self,
+        tokenizer: &TextTokenizer,
+        episodes: &[&EpisodeRecord],
+    ) -> Result<Vec<Vec<Vec<f64>>>> {
+        if self.external.is_empty() && self.registered.is_empty() {
+            return Ok(episodes.iter().map(|e| vec![Vec::new(); e.env_returns.len()]).collect());
+        }
+        let decode = |ids: &[u32]| tokenizer.decode(ids, true);
+        // Per-seat functions read completions alone; the others are sent the prompts too.
+        let with_prompts =
+            !self.external.is_empty() || self.registered.iter().any(|(_, f)| matches!(f, RegisteredReward::Batch(_)));
+        let mut items = Vec::with_capacity(episodes.len());
+        for episode in episodes {
+            let seats = episode.env_returns.len();
+            let (mut completions, mut prompts) = (vec![Vec::new(); seats], vec![Vec::new(); seats]);
+            for turn in episode.turns.iter().filter(|t| t.seat < seats) {
+                completions[turn.seat].push(decode(&turn.completion_ids)?);
+                if with_prompts {
+                    prompts[turn.seat].push(decode(&turn.prompt_ids)?);
+                }
+            }
+            items.push(RewardItem {
+                seed: episode.seed,
+                completions,
+                prompts,
+                returns: episode.env_returns.clone(),
+                metrics: episode.metrics.clone(),
+            });
+        }
+        let external = self.external.score(&items)?;
+        // Each batch function's `[episode][seat]` values (None for per-seat functions).
+        let batched: Vec<Option<Vec<Vec<f64>>>> = self
+            .registered
+            .iter()
+            .map(|(name, function)| match function {
+                RegisteredReward::Seat(_) => Ok(None),
+                RegisteredReward::Batch(f) => batch_reward_values(name, f(&items), &items).map(Some),
+            })
+            .collect::<Result<_>>()?;
+        let mut values = Vec::with_capacity(items.len());
+        for (e, ((item, episode), external)) in items.iter().zip(episodes).zip(external).enumerate() {
+            let mut per_seat = Vec::with_capacity(item.returns.len());
+            for (seat, external) in external.into_iter().enumerate() {
+                let invalid_actions = episode.turns.iter().filter(|t| t.seat == seat && t.invalid).count();
+                let input = RewardInput {
+                    seat,
+                    env_return: item.returns[seat],
+                    invalid_actions,
+                    metrics: &item.metrics,
+                    completions: &item.completions[seat],
+                };
+                let (mut external, mut registered) = (external.into_iter(), self.registered.iter().zip(&batched));
+                let mut seat_values = Vec::new();
+                for function in self.rewards.computed_functions() {
+                    let value = match function.name {
+                        RewardFunction::External => external.next(),
+                        _ => registered.next().map(|((_, f), batch)| match (f, batch) {
+                            (RegisteredReward::Seat(f), _) => f(&input),
+                            (RegisteredReward::Batch(_), Some(values)) => values[e][seat],
+                            (RegisteredReward::Batch(_), None) => f64::NAN,
+                        }),
+                    };
+                    let value = value.ok_or_else(|| TroupeError::reward(function.name.name(), "gave no value"))?;
+                    if !value.is_finite() {
+                        return Err(TroupeError::reward(function.name.name(), format!("gave {value} for seat {seat}")));
+                    }
+                    seat_values.push(value);
+                }
+                per_seat.push(seat_values);
+            }
+            values.push(per_seat);
+        }
+        Ok(values)
+    }
+
+    /// Every seat's reward for each of `episodes` under the configured pipeline (reward
+    /// functions, weights and processors, summed over the episode's steps): `[episode][seat]`,
+    /// what an evaluation of the trained reward reports.
+    pub fn episode_rewards(&self, tokenizer: &TextTokenizer, episodes: &[EpisodeRecord]) -> Result<Vec<Vec<f64>>> {
+        let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
+        let computed = self.computed_reward_values(tokenizer, &refs)?;
+        episodes
+            .iter()
+            .zip(&computed)
+            .map(|(e, values)| {
+                let shaped = shaped_step_rewards(e, &self.rewards, values)?;
+                Ok(shaped.iter().map(|steps| steps.iter().sum()).collect())
+            })
+            .collect()
+    }
+
+    /// The credit phase: every episode's rewards shaped per step and seat, discounted into each
+    /// turn's return, and turned into the batch's advantages.
+    pub fn assign(&self, tokenizer: &TextTokenizer, groups: &[Vec<EpisodeRecord>]) -> Result<Credited> {
+        let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
+        let computed = self.computed_reward_values(tokenizer, &episodes)?;
+        let mut computed = computed.iter();
+        let shaped: ShapedRewards = groups
+            .iter()
+            .map(|g| {
+                g.iter()
+                    .map(|e| shaped_step_rewards(e, &self.rewards, computed.next().map_or(&[][..], Vec::as_slice)))
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()?;
+        let returns: Vec<Vec<Vec<f64>>> = groups
+            .iter()
+            .zip(&shaped)
+            .map(|(g, s)| g.iter().zip(s).map(|(e, r)| turn_returns(e, r, self.gamma)).collect())
+            .collect();
+        let batch = TrainBatch::from_groups(groups, &returns, &self.seat_agents, self.advantage);
+        let stats = CreditStats::of(&shaped, &self.seat_agents);
+        Ok(Credited { batch, stats })
+    }
+}
+
+/// A batch reward function's answer for `items` as `[episode][seat]`: one value per episode
+/// (every seat gets it) or one per seat, else an error naming the function.
+fn batch_reward_values(
+    name: &str,
+    answer: std::result::Result<Vec<Vec<f64>>, String>,
+    items: &[RewardItem],
+) -> Result<Vec<Vec<f64>>> {
+    let answer = answer.map_err(|message| TroupeError::reward(name, message))?;
+    if answer.len() != items.len() {
+        return Err(TroupeError::reward(name, format!("gave {} rewards for {} episodes", answer.len(), items.len())));
+    }
+    answer
+        .into_iter()
+        .zip(items)
+        .enumerate()
+        .map(|(e, (values, item))| {
+            let seats = item.returns.len();
+            match values.len() {
+                1 => Ok(vec![values[0]; seats]),
+                n if n == seats => Ok(values),
+                n => Err(TroupeError::reward(
+                    name,
+                    format!("gave {n} values for episode {e}; give one, or one per seat ({seats})"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// Every seat's reward at every step of `episode` under the configured pipeline: `[seat][step]`.
+/// `external[seat]` holds the external reward functions' values for the seat (empty when the
+/// pipeline has none).
+///
+/// A seat's reward at a step is `w_env x (its environment reward there)`, plus at its own turns
+/// `w_env x (the invalid-reply penalty)` and `-w_invalid` for an invalid reply; the episode's last
+/// step also gets the difference the `score` function and the processors make to the seat's
+/// total, so a seat's rewards sum to its processed episode reward while step-level credit
+/// survives. Every seat sees every step, so in a cooperative game a seat is credited with what
+/// its partners score after its move (with identity processors and `env_return` alone, a seat's
+/// rewards are exactly its environment rewards plus penalties).
+pub fn shaped_step_rewards(
+    episode: &EpisodeRecord,
+    pipeline: &RewardPipeline,
+    external: &[Vec<f64>],
+) -> Result<Vec<Vec<f64>>> {
+    let weight = |f: RewardFunction| pipeline.functions().iter().filter(|w| w.name == f).map(|w| w.weight).sum::<f64>();
+    let (w_env, w_invalid) = (weight(RewardFunction::EnvReturn), weight(RewardFunction::InvalidActions));
+    let seats = episode.env_returns.len();
+    let steps = episode.step_rewards.len();
+    let mut rewards: Vec<Vec<f64>> = (0..seats)
+        .map(|seat| episode.step_rewards.iter().map(|r| w_env * r.get(seat).copied().unwrap_or(0.0)).collect())
+        .collect();
+    let mut env_return: Vec<f64> =
+        (0..seats).map(|seat| episode.step_rewards.iter().map(|r| r.get(seat).copied().unwrap_or(0.0)).sum()).collect();
+    let mut invalid = vec![0usize; seats];
+    for turn in &episode.turns {
+        if turn.seat < seats && turn.step < steps {
+            rewards[turn.seat][turn.step] += w_env * turn.penalty - if turn.invalid { w_invalid } else { 0.0 };
+            env_return[turn.seat] += turn.penalty;
+            invalid[turn.seat] += usize::from(turn.invalid);
+        }
+    }
+    if steps > 0 {
+        for seat in 0..seats {
+            let values = external.get(seat).map_or(&[][..], Vec::as_slice);
+            let outcome = SeatOutcome {
+                env_return: env_return[seat],
+                invalid_actions: invalid[seat],
+                metrics: &episode.metrics,
+                computed: values,
+            };
+            let processed = pipeline.reward(&outcome)?;
+            let so_far: f64 = rewards[seat].iter().sum();
+            rewards[seat][steps - 1] += processed - so_far;
+        }
+    }
+    Ok(rewards)
+}
+
+/// Each turn's discounted return-to-go, in turn order: the acting seat's shaped rewards
+/// (`shaped[seat][step]`, from [`shaped_step_rewards`]) from the turn's step on, discounted by
+/// `gamma` per environment step.
+pub fn turn_returns(episode: &EpisodeRecord, shaped: &[Vec<f64>], gamma: f64) -> Vec<f64> {
+    let to_go: Vec<Vec<f64>> = shaped.iter().map(|r| advantage::discounted_returns(r, gamma)).collect();
+    episode.turns.iter().map(|t| to_go.get(t.seat).and_then(|r| r.get(t.step)).copied().unwrap_or(0.0)).collect()
+}
