@@ -5,8 +5,9 @@
 //! - [`hanabi`] (DeepMind HLE's rules) and [`bridge`] (OpenSpiel's rules): games with exact rules,
 //!   text observations and tolerant reply parsing.
 //! - [`external`]: environments in any language, over JSON lines; [`batch`]: many episodes at once.
-//! - [`policy`]: baseline policies; [`runner`]: episodes, benchmarks and interactive play for any
-//!   environment; [`records`]: JSONL game records, written and replayed move by move.
+//! - [`policy`]: the baseline-policy trait (a game's own players live beside the game);
+//!   [`runner`]: episodes, benchmarks and interactive play for any environment; [`records`]:
+//!   JSONL game records, written and replayed move by move.
 
 pub mod batch;
 pub mod bridge;
@@ -43,5 +44,12 @@ pub fn register_builtins(registry: &mut Registry) {
     coding::CodingEnv::register(registry);
     writing::WritingEnv::register(registry);
     external::register(registry);
-    policy::register_builtin_policies(registry);
+    registry.register_policy("random", "uniformly random legal moves (an empty reply in text tasks)", || {
+        Box::new(policy::RandomPolicy)
+    });
+    registry.register_policy("rule", "a rule-based Hanabi player (plays hinted cards, hints playable ones)", || {
+        Box::new(hanabi::rule_player::HanabiRulePolicy)
+    });
+    registry
+        .register_policy("canonical", "the coding problems' reference solutions", || Box::new(coding::CanonicalPolicy));
 }
