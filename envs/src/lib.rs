@@ -25,8 +25,8 @@ pub mod split;
 pub mod text;
 pub mod writing;
 
-pub use environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-pub use error::{ActionError, EnvError, SandboxError};
+pub use environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+pub use error::{EnvError, SandboxError};
 pub use registry::{parse_params, BatchRewardFn, RegisteredReward, Registry, RewardFn, RewardInput, RewardItem};
 
 /// Registers every environment and baseline policy this crate ships into `registry`.

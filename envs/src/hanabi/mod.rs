@@ -27,8 +27,8 @@ pub use moves::Move;
 pub use params::{HanabiConfig, HanabiParams, ObservationStyle, Variant};
 pub use state::{Counters, Event, HanabiState};
 
-use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-use crate::error::{ActionError, EnvError};
+use crate::environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+use crate::error::EnvError;
 use crate::registry::parse_params;
 
 /// Hanabi as an [`Environment`]: one seat per player, turn-based; every seat gets the score change
