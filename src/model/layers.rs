@@ -4,9 +4,8 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use super::fused::dense_linear;
-use super::gguf::BlockMatrix;
 use super::quant::{self, BaseFormat, QuantizedWeight};
-use super::weights::WeightSource;
+use super::weights::{BlockMatrix, WeightSource};
 use crate::error::Result;
 
 /// The seven projections an adapter may target, named as in Hugging Face checkpoints.

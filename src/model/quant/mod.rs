@@ -33,7 +33,7 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::gguf::dequant::{dequantize, dequantize_block, GgmlType};
-use super::gguf::BlockMatrix;
+use super::weights::BlockMatrix;
 use crate::error::{Result, TroupeError};
 
 pub mod activations;
