@@ -180,7 +180,7 @@ impl QuantizedWeight {
 
     /// `W^T`, row-major `[cols, rows]`.
     pub fn dequantize_t(&self) -> Vec<f32> {
-        super::layers::transpose_host(&self.dequantize(), self.rows, self.cols)
+        super::host::transpose_host(&self.dequantize(), self.rows, self.cols)
     }
 
     /// Rows `ids` of `W`, dequantized (an embedding lookup).
