@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use crate::environment::{Action, Environment};
-use crate::error::{ActionError, EnvError};
+use crate::environment::{Action, ActionError, Environment};
+use crate::error::EnvError;
 use crate::external::{process_key, reset_external, step_external, ExternalEnv};
 
 /// Resets `envs[i]` with `seeds[i]`. Fails when an environment cannot start an episode (an

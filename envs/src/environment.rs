@@ -1,5 +1,6 @@
 //! The `Environment` plug-in trait: one interface for turn-based games (one seat acts at a time)
-//! and simultaneous tasks (every seat acts, one joint reward).
+//! and simultaneous tasks (every seat acts, one joint reward), with the types it speaks in
+//! (seats, actions, metrics) and [`ActionError`], its refusal of an action.
 //!
 //! An episode is driven like this:
 //!
@@ -20,8 +21,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
-
-use crate::error::ActionError;
+use thiserror::Error;
 
 /// Index of a seat (a player position) in an environment, `0..num_seats()`.
 pub type SeatId = usize;
@@ -58,6 +58,49 @@ pub struct LegalAction {
 /// Named numbers an environment reports about a finished (or running) episode, e.g.
 /// `score`, `lives_lost`, `contract_made`. Keys are stable across episodes of one environment.
 pub type EpisodeMetrics = BTreeMap<String, f64>;
+
+/// Why a text or an action was refused. Returned by `parse_action` and `step`; the environment's
+/// state is unchanged whenever one is returned.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum ActionError {
+    /// The text names no action of this environment.
+    #[error("cannot read {text:?} as an action: {reason}")]
+    Unparseable {
+        /// The text the agent wrote (possibly shortened).
+        text: String,
+        /// What was expected.
+        reason: String,
+    },
+    /// The action exists but the rules forbid it now.
+    #[error("illegal action {action}: {reason}")]
+    Illegal {
+        /// The action in its canonical text form.
+        action: String,
+        /// Which rule forbids it.
+        reason: String,
+    },
+    /// A seat tried to act out of turn.
+    #[error("seat {seat} is not to act now")]
+    NotToAct {
+        /// The seat.
+        seat: SeatId,
+    },
+    /// `step` got a different number of actions than there are acting seats.
+    #[error("expected {expected} action(s), one per acting seat, got {got}")]
+    WrongActionCount {
+        /// Number of acting seats.
+        expected: usize,
+        /// Number of actions given.
+        got: usize,
+    },
+    /// The episode is over.
+    #[error("the episode is over")]
+    EpisodeOver,
+    /// The environment itself failed (an external process crashed, hung or broke the protocol):
+    /// not the agent's fault, and no episode can go on.
+    #[error("{0}")]
+    Failed(String),
+}
 
 /// The plug-in interface every troupe environment implements.
 ///

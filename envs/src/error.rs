@@ -1,51 +1,9 @@
-//! Typed errors of the environments crate.
+//! Typed errors of the environments crate ([`EnvError`], [`SandboxError`]). An action's refusal,
+//! [`ActionError`], is part of the [`crate::Environment`] contract and lives beside it.
 
 use thiserror::Error;
 
-use crate::environment::SeatId;
-
-/// Why a text or an action was refused. Returned by `parse_action` and `step`; the environment's
-/// state is unchanged whenever one is returned.
-#[derive(Debug, Clone, PartialEq, Error)]
-pub enum ActionError {
-    /// The text names no action of this environment.
-    #[error("cannot read {text:?} as an action: {reason}")]
-    Unparseable {
-        /// The text the agent wrote (possibly shortened).
-        text: String,
-        /// What was expected.
-        reason: String,
-    },
-    /// The action exists but the rules forbid it now.
-    #[error("illegal action {action}: {reason}")]
-    Illegal {
-        /// The action in its canonical text form.
-        action: String,
-        /// Which rule forbids it.
-        reason: String,
-    },
-    /// A seat tried to act out of turn.
-    #[error("seat {seat} is not to act now")]
-    NotToAct {
-        /// The seat.
-        seat: SeatId,
-    },
-    /// `step` got a different number of actions than there are acting seats.
-    #[error("expected {expected} action(s), one per acting seat, got {got}")]
-    WrongActionCount {
-        /// Number of acting seats.
-        expected: usize,
-        /// Number of actions given.
-        got: usize,
-    },
-    /// The episode is over.
-    #[error("the episode is over")]
-    EpisodeOver,
-    /// The environment itself failed (an external process crashed, hung or broke the protocol):
-    /// not the agent's fault, and no episode can go on.
-    #[error("{0}")]
-    Failed(String),
-}
+use crate::environment::ActionError;
 
 /// Errors building an environment from its name and parameters.
 #[derive(Debug, Error)]

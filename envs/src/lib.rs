@@ -5,8 +5,9 @@
 //! - [`hanabi`] (DeepMind HLE's rules) and [`bridge`] (OpenSpiel's rules): games with exact rules,
 //!   text observations and tolerant reply parsing.
 //! - [`external`]: environments in any language, over JSON lines; [`batch`]: many episodes at once.
-//! - [`policy`]: baseline policies; [`runner`]: episodes, benchmarks and interactive play for any
-//!   environment; [`records`]: JSONL game records, written and replayed move by move.
+//! - [`policy`]: the baseline-policy trait (a game's own players live beside the game);
+//!   [`runner`]: episodes, benchmarks and interactive play for any environment; [`records`]:
+//!   JSONL game records, written and replayed move by move.
 
 pub mod batch;
 pub mod bridge;
@@ -24,8 +25,8 @@ pub mod split;
 pub mod text;
 pub mod writing;
 
-pub use environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-pub use error::{ActionError, EnvError, SandboxError};
+pub use environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+pub use error::{EnvError, SandboxError};
 pub use registry::{parse_params, BatchRewardFn, RegisteredReward, Registry, RewardFn, RewardInput, RewardItem};
 
 /// Registers every environment and baseline policy this crate ships into `registry`.
@@ -43,5 +44,12 @@ pub fn register_builtins(registry: &mut Registry) {
     coding::CodingEnv::register(registry);
     writing::WritingEnv::register(registry);
     external::register(registry);
-    policy::register_builtin_policies(registry);
+    registry.register_policy("random", "uniformly random legal moves (an empty reply in text tasks)", || {
+        Box::new(policy::RandomPolicy)
+    });
+    registry.register_policy("rule", "a rule-based Hanabi player (plays hinted cards, hints playable ones)", || {
+        Box::new(hanabi::rule_player::HanabiRulePolicy)
+    });
+    registry
+        .register_policy("canonical", "the coding problems' reference solutions", || Box::new(coding::CanonicalPolicy));
 }

@@ -335,7 +335,7 @@ pub fn replay_file(path: &Path) -> Result<ReplayReport, EnvError> {
     Ok(report)
 }
 
-fn action_error(env: &dyn Environment, source: crate::error::ActionError) -> EnvError {
+fn action_error(env: &dyn Environment, source: crate::environment::ActionError) -> EnvError {
     EnvError::Action { env: env.name().to_string(), source }
 }
 

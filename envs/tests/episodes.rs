@@ -2,7 +2,8 @@
 //! replaying, and the interactive loop.
 
 use serde_json::json;
-use troupe_envs::policy::{HanabiRulePolicy, RandomPolicy};
+use troupe_envs::hanabi::rule_player::HanabiRulePolicy;
+use troupe_envs::policy::RandomPolicy;
 use troupe_envs::records::{record_episodes, replay_line};
 use troupe_envs::runner::{bench, play_interactive, run_episode};
 use troupe_envs::{Environment, Registry};

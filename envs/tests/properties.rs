@@ -7,8 +7,9 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::json;
 use troupe_envs::bridge::{BridgeEnv, Phase};
+use troupe_envs::hanabi::rule_player::HanabiRulePolicy;
 use troupe_envs::hanabi::HanabiEnv;
-use troupe_envs::policy::{HanabiRulePolicy, Policy, RandomPolicy};
+use troupe_envs::policy::{Policy, RandomPolicy};
 use troupe_envs::{Action, Environment, Registry};
 
 fn hanabi_invariants(env: &HanabiEnv) -> Result<(), TestCaseError> {

@@ -4,9 +4,9 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use super::fused::dense_linear;
-use super::gguf::BlockMatrix;
+use super::host::transpose_host;
 use super::quant::{self, BaseFormat, QuantizedWeight};
-use super::weights::WeightSource;
+use super::weights::{BlockMatrix, WeightSource};
 use crate::error::Result;
 
 /// The seven projections an adapter may target, named as in Hugging Face checkpoints.
@@ -142,17 +142,6 @@ pub struct FrozenLinear {
     pub weight: LinearWeight,
     /// `[out_features]`
     pub bias: Option<Tensor<1>>,
-}
-
-/// Transposes a row-major `[rows, cols]` matrix.
-pub(crate) fn transpose_host(values: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0; values.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = values[r * cols + c];
-        }
-    }
-    out
 }
 
 /// Where a base's weights are read from, onto which device, and in which form.

@@ -7,6 +7,7 @@ pub mod config;
 pub mod fingerprint;
 pub mod fused;
 pub mod gguf;
+mod host;
 pub mod inspect;
 pub mod layers;
 pub mod load;

@@ -1,14 +1,43 @@
 //! Where a model's weights come from: safetensors files on disk, or tensors made in memory (the
-//! built-in default model). The transformer loads through this trait and checks every shape.
+//! built-in default model). The transformer loads through this trait and checks every shape; a
+//! source that holds block-quantized matrices (GGUF) also hands them over as [`BlockMatrix`].
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use burn::tensor::{Device, Tensor};
 
-use super::gguf::BlockMatrix;
+use super::gguf::dequant::{dequantize, GgmlType};
 use super::safetensors_io::{HostTensor, TensorStore};
 use crate::error::{ModelError, Result, TroupeError};
+
+/// A matrix kept in its GGUF block format: `rows` rows of `cols` values, each row
+/// `bytes.len() / rows` bytes of whole blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlockMatrix {
+    /// The block (or float) type of every row.
+    pub ggml_type: GgmlType,
+    /// Number of rows (`out_features` of a projection).
+    pub rows: usize,
+    /// Values per row (`in_features`).
+    pub cols: usize,
+    /// The rows' bytes, row after row.
+    pub bytes: Vec<u8>,
+}
+
+impl BlockMatrix {
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.bytes.len() / self.rows.max(1)
+    }
+
+    /// All values as f32, row-major `[rows, cols]`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        dequantize(self.ggml_type, &self.bytes, &mut out);
+        out
+    }
+}
 
 /// A name -> tensor source with shape checking.
 pub trait WeightSource {

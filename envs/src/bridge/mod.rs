@@ -28,8 +28,8 @@ pub use cards::{Card, Deal};
 pub use play::{Play, Trick};
 pub use scoring::{score, Contract};
 
-use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-use crate::error::{ActionError, EnvError};
+use crate::environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+use crate::error::EnvError;
 use crate::registry::parse_params;
 use cards::{partnership, SEAT_CHARS, SEAT_NAMES};
 

@@ -23,8 +23,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 
-use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-use crate::error::{ActionError, EnvError};
+use crate::environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+use crate::error::EnvError;
 use crate::registry::{parse_params, Registry};
 use crate::sandbox::{Sandbox, SandboxConfig};
 use evaluate::{Evaluation, Submission, Verdict};

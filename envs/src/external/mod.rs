@@ -24,8 +24,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-use crate::error::{ActionError, EnvError};
+use crate::environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+use crate::error::EnvError;
 use crate::registry::{parse_params, Registry};
 use process::{CallError, Process};
 use protocol::{

@@ -5,7 +5,8 @@
 //!
 //! - [`params`]: parameters and variants; [`cards`]: cards and card knowledge;
 //!   [`moves`]: moves and uids; [`state`]: the rules; [`observation`]: text for an LLM;
-//!   [`parse`]: reading an LLM's reply as a move; [`HanabiEnv`]: the [`Environment`].
+//!   [`parse`]: reading an LLM's reply as a move; [`HanabiEnv`]: the [`Environment`];
+//!   [`rule_player`]: the rule-based baseline policy.
 
 pub mod cards;
 pub mod compact;
@@ -13,6 +14,7 @@ pub mod moves;
 pub mod observation;
 pub mod params;
 pub mod parse;
+pub mod rule_player;
 pub mod state;
 
 use rand::seq::SliceRandom;
@@ -25,8 +27,8 @@ pub use moves::Move;
 pub use params::{HanabiConfig, HanabiParams, ObservationStyle, Variant};
 pub use state::{Counters, Event, HanabiState};
 
-use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-use crate::error::{ActionError, EnvError};
+use crate::environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+use crate::error::EnvError;
 use crate::registry::parse_params;
 
 /// Hanabi as an [`Environment`]: one seat per player, turn-based; every seat gets the score change

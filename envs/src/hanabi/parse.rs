@@ -8,7 +8,7 @@
 
 use super::cards::{COLOR_CHARS, COLOR_NAMES};
 use super::moves::Move;
-use crate::error::ActionError;
+use crate::environment::ActionError;
 use crate::text::{answer_span, number_word, shorten, tokens};
 
 /// What kind of move a verb asks for.

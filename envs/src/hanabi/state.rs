@@ -5,7 +5,7 @@
 use super::cards::{Card, CardKnowledge, HandCard, COLOR_NAMES};
 use super::moves::Move;
 use super::params::HanabiConfig;
-use crate::error::ActionError;
+use crate::environment::ActionError;
 
 /// Counters right after a player's move, before the replacement card is drawn (as the game
 /// records hold them).

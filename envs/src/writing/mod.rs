@@ -18,8 +18,8 @@ use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::environment::{Action, Environment, EpisodeMetrics, LegalAction, SeatId};
-use crate::error::{ActionError, EnvError};
+use crate::environment::{Action, ActionError, Environment, EpisodeMetrics, LegalAction, SeatId};
+use crate::error::EnvError;
 use crate::registry::{parse_params, Registry};
 use reward::{WritingReward, WritingScores};
 

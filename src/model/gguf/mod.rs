@@ -14,7 +14,7 @@ use std::path::Path;
 
 pub use container::{GgufFile, TensorEntry};
 pub use dequant::GgmlType;
-pub use weights::{BlockMatrix, GgufWeights};
+pub use weights::GgufWeights;
 
 use crate::error::Result;
 use crate::model::{ModelConfig, TextTokenizer};

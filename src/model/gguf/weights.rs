@@ -10,39 +10,11 @@
 
 use super::config::gguf_name;
 use super::container::{GgufFile, TensorEntry};
-use super::dequant::{dequantize, GgmlType};
+use super::dequant::dequantize;
 use crate::error::{ModelError, Result, TroupeError};
 use crate::model::safetensors_io::HostTensor;
-use crate::model::weights::WeightSource;
+use crate::model::weights::{BlockMatrix, WeightSource};
 use crate::model::{ModelConfig, ModelType};
-
-/// A matrix kept in its GGUF block format: `rows` rows of `cols` values, each row
-/// `bytes.len() / rows` bytes of whole blocks.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BlockMatrix {
-    /// The block (or float) type of every row.
-    pub ggml_type: GgmlType,
-    /// Number of rows (`out_features` of a projection).
-    pub rows: usize,
-    /// Values per row (`in_features`).
-    pub cols: usize,
-    /// The rows' bytes, row after row.
-    pub bytes: Vec<u8>,
-}
-
-impl BlockMatrix {
-    /// Bytes of one row.
-    pub fn row_bytes(&self) -> usize {
-        self.bytes.len() / self.rows.max(1)
-    }
-
-    /// All values as f32, row-major `[rows, cols]`.
-    pub fn dequantize(&self) -> Vec<f32> {
-        let mut out = vec![0.0; self.rows * self.cols];
-        dequantize(self.ggml_type, &self.bytes, &mut out);
-        out
-    }
-}
 
 /// Reorders the rows of a Llama `q_proj` / `k_proj` (weight or bias) from llama.cpp's
 /// interleaved layout back to transformers' rotate-half one. `row_len` is the length of one row

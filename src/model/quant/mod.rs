@@ -9,8 +9,9 @@
 //! - Few rows (decoding, `m <= FUSED_MAX_ROWS`): the inputs are rounded to 16-bit blocks
 //!   ([`activations`]) and each weight row, read once in its block format (the memory traffic
 //!   that bounds decoding), is dotted with every input row in integers ([`int_dot`], SIMD in
-//!   `x86`): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K; Q6_K and the float types through one
-//!   dequantized row in an L1-resident buffer and f32 inputs.
+//!   `x86`, both over the operands of [`rows`]): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K and Q5_K;
+//!   Q6_K and the float types through one dequantized row in an L1-resident buffer and f32
+//!   inputs.
 //! - Many rows (prefill, scoring, training): the matrix is dequantized into a transient f32
 //!   buffer and multiplied by burn's f32 GEMM, whose cost then dominates.
 //!
@@ -33,16 +34,18 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::gguf::dequant::{dequantize, dequantize_block, GgmlType};
-use super::gguf::BlockMatrix;
+use super::weights::BlockMatrix;
 use crate::error::{Result, TroupeError};
 
 pub mod activations;
 pub mod int_dot;
+pub mod rows;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 use activations::Q16Activations;
-use int_dot::{InputRow, Level};
+use int_dot::Level;
+use rows::InputRow;
 
 /// How the frozen base holds its weights.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -120,7 +123,7 @@ impl QuantizedWeight {
         let parts = parts
             .into_iter()
             .map(|mut p| {
-                if int_dot::GroupLayout::of(p.ggml_type).is_some() {
+                if rows::GroupLayout::of(p.ggml_type).is_some() {
                     p.bytes = int_dot::regroup(p.ggml_type, &p.bytes, p.rows);
                 }
                 p
@@ -156,7 +159,7 @@ impl QuantizedWeight {
         let width = part.row_bytes();
         let bytes = &part.bytes[local * width..(local + 1) * width];
         let ty = part.ggml_type;
-        if int_dot::GroupLayout::of(ty).is_some() {
+        if rows::GroupLayout::of(ty).is_some() {
             // Block by block, each put back as ggml stores it.
             let mut block = [0u8; 34];
             let block = &mut block[..ty.block_bytes()];
@@ -180,7 +183,7 @@ impl QuantizedWeight {
 
     /// `W^T`, row-major `[cols, rows]`.
     pub fn dequantize_t(&self) -> Vec<f32> {
-        super::layers::transpose_host(&self.dequantize(), self.rows, self.cols)
+        super::host::transpose_host(&self.dequantize(), self.rows, self.cols)
     }
 
     /// Rows `ids` of `W`, dequantized (an embedding lookup).
@@ -251,7 +254,7 @@ impl QuantizedWeight {
             let (part, local) = self.part_row(first + j);
             let width = part.row_bytes();
             let ty = part.ggml_type;
-            if m == 1 && int_dot::GroupLayout::of(ty).is_some() {
+            if m == 1 && rows::GroupLayout::of(ty).is_some() {
                 // The rest of this part within the tile, in one call.
                 let n = (part.rows - local).min(tile.len() - j);
                 let bytes = &part.bytes[local * width..(local + n) * width];
@@ -640,7 +643,7 @@ mod tests {
     fn inline_f16_conversion_is_exact() {
         for h in 0..=u16::MAX {
             let want = f16::from_bits(h).to_f32();
-            let got = int_dot::f16_at(&h.to_le_bytes(), 0);
+            let got = rows::f16_at(&h.to_le_bytes(), 0);
             assert!(want.to_bits() == got.to_bits() || (want.is_nan() && got.is_nan()), "{h:#06x}: {got} vs {want}");
         }
     }

@@ -12,7 +12,7 @@
 use std::arch::x86_64::*;
 
 use super::activations::BLOCK;
-use super::int_dot::{GroupLayout, InputRow, IntForm, Scales, WeightRow, GROUP};
+use super::rows::{GroupLayout, InputRow, IntForm, Scales, WeightRow, GROUP};
 
 /// `[sum(v0), sum(v1), sum(v2), sum(v3)]` of four eight-lane vectors.
 #[target_feature(enable = "avx2")]
