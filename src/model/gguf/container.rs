@@ -143,7 +143,7 @@ impl GgufFile {
         Ok(bytes)
     }
 
-    /// A [`TroupeError::Gguf`] for this file.
+    /// A [`ModelError::Gguf`](crate::error::ModelError::Gguf) for this file.
     pub fn error(&self, message: impl Into<String>) -> TroupeError {
         TroupeError::Model(ModelError::Gguf { path: self.path.clone(), message: message.into() })
     }

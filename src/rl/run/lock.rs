@@ -22,7 +22,7 @@ pub struct RunLock {
 }
 
 impl RunLock {
-    /// Locks `run_dir` (creating it), or refuses with [`TroupeError::RunInUse`] naming the
+    /// Locks `run_dir` (creating it), or refuses with [`RunError::RunInUse`](crate::error::RunError::RunInUse) naming the
     /// holder's pid. Never blocks.
     pub fn acquire(run_dir: &Path) -> Result<Self> {
         std::fs::create_dir_all(run_dir).map_err(|e| TroupeError::io(run_dir, e))?;
