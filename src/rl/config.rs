@@ -106,11 +106,21 @@ pub struct RunSection {
     pub checkpoint_every: usize,
     /// A log line every this many iterations (metrics.jsonl gets every iteration).
     pub log_every: usize,
+    /// Where the metrics go: `jsonl` (`metrics.jsonl`, always written) and `tensorboard`
+    /// (event files in `RUN_DIR/tensorboard/`, TRL's metric names; see `docs/tracking.md`).
+    pub report_to: Vec<super::tracking::ReportTo>,
 }
 
 impl Default for RunSection {
     fn default() -> Self {
-        Self { out_dir: PathBuf::from("runs/hanabi"), seed: 0, iterations: 30, checkpoint_every: 5, log_every: 1 }
+        Self {
+            out_dir: PathBuf::from("runs/hanabi"),
+            seed: 0,
+            iterations: 30,
+            checkpoint_every: 5,
+            log_every: 1,
+            report_to: super::tracking::default_report_to(),
+        }
     }
 }
 
@@ -406,8 +416,8 @@ pub struct EvalSection {
     /// Evaluation episodes end after this many steps; `null` (the default) plays them to the
     /// end, as the references score games (a training move cap is `training.max_episode_steps`).
     pub max_episode_steps: Option<usize>,
-    /// During training, a held-out evaluation every this many iterations (0: none), on the
-    /// same `every_episodes` deals each time, written to `metrics.jsonl` as `eval_score` and
+    /// During training, a held-out evaluation every this many iterations and at the last one
+    /// (0: none), on the same `every_episodes` deals each time, written to `metrics.jsonl` as `eval_score` and
     /// `eval_score_stderr`.
     pub every: usize,
     /// Episodes of each evaluation during training.
@@ -517,7 +527,11 @@ impl TrainConfig {
         migrate_moved_keys(&mut tree, origin);
         let schema = schema();
         for raw in overrides {
-            apply_override(&mut tree, raw, &schema).map_err(|(key, message)| config_error(key, message))?;
+            apply_override(&mut tree, raw, &schema).map_err(|(key, message)| TroupeError::Config {
+                path: PathBuf::from("--set"),
+                key,
+                message,
+            })?;
         }
         let config: TrainConfig = serde_path_to_error::deserialize(tree).map_err(|err| {
             let key = err.path().to_string();

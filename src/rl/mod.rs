@@ -23,7 +23,9 @@ pub mod protocol_writer;
 pub mod rewards;
 pub mod rollout;
 pub mod run;
+pub mod tracking;
 pub mod trainer;
+pub mod trl_stats;
 pub mod update;
 pub mod warmup;
 

@@ -118,6 +118,8 @@ pub struct IterationStats {
     pub env_metrics: BTreeMap<String, f64>,
     /// In `choice` mode, the policy's mean entropy (nats) over the decisions.
     pub choice_entropy: Option<f64>,
+    /// TRL's completion and group statistics ([`super::trl_stats`]), by their metric names.
+    pub trl: BTreeMap<String, f64>,
 }
 
 /// One iteration's rollouts, drawn by [`MagrpoTrainer::plan`]: every episode's environment
@@ -529,6 +531,9 @@ impl MagrpoTrainer {
 
         let credit_started = Instant::now();
         let (mut batch, shaped) = self.credit(&groups)?;
+        let cap = (self.settings.rollout.mode == super::rollout::ActionMode::Free)
+            .then_some(self.settings.rollout.max_new_tokens);
+        let trl = super::trl_stats::trl_stats(&groups, &shaped, &self.settings.seat_agents, cap);
         let objective = self.objective();
         // The KL reference is one more forward over the batch, once however many epochs follow.
         let mut update_flops = 0.0;
@@ -644,6 +649,7 @@ impl MagrpoTrainer {
                     })
                     .collect()
             },
+            trl,
         })
     }
 }
