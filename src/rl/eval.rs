@@ -88,7 +88,9 @@ pub fn play_held_out(
     let spec = config.eval_env_spec();
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
-    for chunk in seeds.chunks(config.runtime.eval_batch_episodes.max(1)) {
+    let batch = config.runtime.eval_batch_episodes.max(1);
+    let started = Instant::now();
+    for chunk in seeds.chunks(batch) {
         let mut rngs = episode_rngs(config.eval.seed, records.len(), chunk.len());
         let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
         records.extend(run_episodes_with_baselines(
@@ -101,6 +103,15 @@ pub fn play_held_out(
             &rollout,
             &mut rngs,
         )?);
+        // Progress for evaluations of several batches (a held-out evaluation inside training is
+        // usually one batch and stays quiet under the progress bar).
+        if episodes > batch {
+            tracing::info!(
+                "evaluated {}/{episodes} episodes ({:.0} s)",
+                records.len(),
+                started.elapsed().as_secs_f64()
+            );
+        }
     }
     Ok(records)
 }
