@@ -7,7 +7,7 @@
 //! ([`TrainConfig::to_yaml`]) is what a run directory keeps.
 //!
 //! ```yaml
-//! run:      {out_dir: runs/hanabi, seed: 0, iterations: 30, checkpoint_every: 5, log_every: 1}
+//! run:      {out_dir: runs/hanabi, seed: 0, iterations: 30, checkpoint_every: 5, log_every: 1, report_to: [jsonl]}
 //! model:    {path: null, preset: tiny, seed: 0, device: cpu, quantized: false}
 //! env:      {name: hanabi, players: 2}          # name + the environment's own parameters
 //! agents:   {num_agents: 2, seats: [0, 1], mode: per_agent}
