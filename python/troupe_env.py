@@ -56,13 +56,15 @@ What the server does for you:
   rewards into the returns unless :meth:`Environment.returns` says otherwise, and checks every
   State it sends (one entry per seat, finite numbers, the same metric keys in every episode);
 * an exception in your code (other than :class:`IllegalAction` from ``step`` or ``parse``)
-  becomes an ``error`` answer naming its type and message, with the traceback on stderr; the
+  becomes an ``error`` answer "exception in the environment: Type: message (raised at
+  FILE:LINE in FUNCTION)", with the whole traceback on stderr; the
   episodes of a ``step`` that failed that way are dropped until they are reset;
 * while serving, ``print`` goes to stderr: stdout carries the protocol only.
 """
 
 import json
 import math
+import os
 import sys
 import traceback
 
@@ -511,7 +513,19 @@ def _handle(server, line):
     except Exception as err:  # the environment's own code failed
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
-        return {"id": request_id, "error": f"{type(err).__name__}: {err}"}
+        return {"id": request_id, "error": _exception_message(err)}
+
+
+def _exception_message(err):
+    """One line for an exception raised by the environment's code: its type and message and
+    where it was raised (the innermost frame); the whole traceback goes to stderr."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = ""
+    if frames:
+        frame = frames[-1]
+        where = f" (raised at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+    message = " ".join(str(err).split())
+    return f"exception in the environment: {type(err).__name__}: {message}{where}; traceback on stderr"
 
 
 def serve(factory, stdin=None, stdout=None):

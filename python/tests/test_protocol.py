@@ -334,7 +334,9 @@ class ServerChecksTest(unittest.TestCase):
             {"method": "step", "episodes": [{"episode": 0, "actions": [{"id": 1}]}]},
             {"method": "step", "episodes": [{"episode": 0, "actions": [{"id": 1}]}]},
         )
-        self.assertEqual(answers[2]["error"], "KeyError: 'boom'")
+        error = answers[2]["error"]
+        self.assertTrue(error.startswith("exception in the environment: KeyError: 'boom' (raised at test_protocol.py:"), error)
+        self.assertIn("in step); traceback on stderr", error)
         self.assertIn("dropped", answers[3]["result"]["results"][0]["error"])
 
     def test_metric_keys_must_stay_the_same(self):

@@ -22,7 +22,9 @@ called back in batches. Rollouts scale out over Ray with :mod:`troupe.ray`.
 import copy
 import json
 import os
+import shutil
 import tempfile
+import weakref
 
 # The protocol helpers, python/troupe_env.py and python/troupe_reward.py (standalone modules an
 # external process runs on its own), are part of the package through symbolic links.
@@ -211,12 +213,32 @@ class MAGRPOTrainer:
     env:            a :class:`troupe.Environment` (instance, subclass or factory) played in this
                     process through the external protocol's checks, instead of a built-in one.
     config:         a dict or a YAML file path, as ``troupe train --config`` takes.
-    output_dir:     the run directory (default: a fresh temporary one).
+    output_dir:     the run directory (default: a fresh temporary one, removed when the trainer
+                    is garbage-collected or Python exits; give a directory to keep the run).
+    report_to:      where the metrics go besides ``metrics.jsonl``: ``"tensorboard"`` (event
+                    files in ``output_dir/tensorboard/``) and ``"wandb"`` (through the ``wandb``
+                    package, which must be installed; ``wandb_project`` names the project),
+                    with TRL's metric names (docs/tracking.md).
+    resume:         a run directory to continue from its newest checkpoint (its saved config
+                    is used; give the same ``reward_funcs`` and ``env`` again). ``config`` may
+                    then only raise ``run.iterations``.
     """
 
     def __init__(self, model=None, num_agents=2, reward_funcs=None, reward_weights=None, train_dataset=None,
                  eval_dataset=None, env=None, config=None, output_dir=None, prompt_field="prompt",
-                 instructions="Answer the prompt."):
+                 instructions="Answer the prompt.", report_to=None, wandb_project="troupe", resume=None):
+        report_to = [report_to] if isinstance(report_to, str) else list(report_to or [])
+        unknown = [r for r in report_to if r not in ("jsonl", "tensorboard", "wandb")]
+        if unknown:
+            raise ValueError(f"report_to: unknown tracker {unknown[0]!r} (known: jsonl, tensorboard, wandb)")
+        self._wandb = None
+        if "wandb" in report_to:
+            try:
+                import wandb
+            except ImportError as err:
+                raise ImportError("report_to=['wandb'] needs the wandb package: pip install wandb") from err
+            self._wandb, self._wandb_project = wandb, wandb_project
+        self._wandb_run = None
         reward_funcs = list(reward_funcs or [])
         if reward_weights is not None and len(reward_weights) != len(reward_funcs):
             raise ValueError(f"{len(reward_weights)} reward_weights for {len(reward_funcs)} reward_funcs")
@@ -224,15 +246,22 @@ class MAGRPOTrainer:
             raise ValueError("give env or train_dataset, not both")
         user = _load_config(config)
         cfg = _merge(DEFAULT_CONFIG, user)
+        if "env" in user and "env" not in user.get("eval", {}):
+            cfg["eval"].pop("env", None)  # the default's test split belongs to the default environment
         if model is not None:
             cfg["model"]["path"] = os.fspath(model)
         agents = cfg.setdefault("agents", {})
         if num_agents is not None and "num_agents" not in user.get("agents", {}):
             agents["num_agents"] = num_agents
         agents.setdefault("seats", list(range(agents["num_agents"])))
+        if "tensorboard" in report_to:
+            cfg["run"]["report_to"] = ["jsonl", "tensorboard"]
+        if resume is not None:
+            output_dir = resume
         self.output_dir = os.fspath(output_dir) if output_dir else tempfile.mkdtemp(prefix="troupe-run-")
-        if output_dir is None and os.path.isdir(self.output_dir):
+        if output_dir is None:
             os.rmdir(self.output_dir)  # the engine makes the run directory itself
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self.output_dir, True)
         cfg["run"]["out_dir"] = self.output_dir
 
         self._envs = []
@@ -266,7 +295,15 @@ class MAGRPOTrainer:
             cfg.setdefault("rewards", {})["functions"] = functions
         self.config = cfg
         # JSON is YAML: the engine reads the dict as its config file.
-        self._run = Run(json.dumps(cfg), "<MAGRPOTrainer config>", self._rewards, self._envs)
+        if resume is not None:
+            iterations = user.get("run", {}).get("iterations")
+            overrides = [] if iterations is None else [f"run.iterations={int(iterations)}"]
+            self._run = Run("", os.fspath(resume), self._rewards, self._envs, os.fspath(resume), overrides)
+            import yaml
+
+            self.config = yaml.safe_load(self._run.config_yaml())
+        else:
+            self._run = Run(json.dumps(cfg), "<MAGRPOTrainer config>", self._rewards, self._envs)
         self.history = []
 
     @property
@@ -291,9 +328,26 @@ class MAGRPOTrainer:
 
     def step(self):
         """One iteration (rollouts, rewards, update); returns its metrics line as a dict."""
-        metrics = json.loads(self._run.run_iteration())
+        line = self._run.run_iteration()
+        metrics = json.loads(line)
         self.history.append(metrics)
+        self._track(line, metrics)
         return metrics
+
+    def _track(self, line, metrics):
+        """Logs a metrics line to W&B (``report_to=["wandb"]``) under TRL's names."""
+        if self._wandb is None:
+            return
+        if self._wandb_run is None:
+            self._wandb_run = self._wandb.init(project=self._wandb_project, dir=self.output_dir,
+                                               config=self.config, reinit=True)
+        self._wandb_run.log(dict(_engine.trl_scalars(line)), step=metrics["iteration"])
+
+    def finish(self):
+        """Closes the W&B run, if any (also done when Python exits)."""
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+            self._wandb_run = None
 
     def evaluate(self, episodes=None):
         """Plays ``episodes`` held-out episodes (default ``eval.episodes``; the evaluation prompts or

@@ -1,5 +1,6 @@
-//! `troupe eval --config FILE --adapters DIR [--episodes N]`: adapters play held-out episodes;
-//! prints a JSON summary (mean score with its standard error, invalid-action rate, ...).
+//! `troupe eval --config FILE [--adapters DIR] [--episodes N]`: adapters play held-out
+//! episodes; prints a JSON summary (mean score with its standard error, invalid-action rate,
+//! ...). Without `--adapters` every seat must be a baseline (`eval.baseline_seats`).
 
 use std::path::{Path, PathBuf};
 
@@ -20,9 +21,10 @@ pub struct EvalArgs {
     #[arg(long)]
     pub config: PathBuf,
     /// The agents' adapters: a PEFT adapters directory (with `troupe.json`), a checkpoint
-    /// directory, or a run directory (its newest checkpoint).
+    /// directory, or a run directory (its newest checkpoint). Not needed when every seat is
+    /// played by a baseline (`--set 'eval.baseline_seats={0: rule, 1: rule}'`).
     #[arg(long)]
-    pub adapters: PathBuf,
+    pub adapters: Option<PathBuf>,
     /// Episodes (default: the config's `eval.episodes`).
     #[arg(long)]
     pub episodes: Option<usize>,
@@ -74,15 +76,31 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
         Some(d) => d,
         None => crate::device::parse_device(&config.model.device)?,
     };
-    let dir = resolve_adapters_dir(&args.adapters)?;
+    let dir = match &args.adapters {
+        Some(path) => Some(resolve_adapters_dir(path)?),
+        None => {
+            let seats = &config.agents.seats;
+            if let Some(seat) = (0..seats.len()).find(|s| !config.eval.baseline_seats.contains_key(s)) {
+                anyhow::bail!(
+                    "--adapters is missing: seat {seat} is played by agent {} (without --adapters every seat needs a baseline in eval.baseline_seats)",
+                    seats[seat]
+                );
+            }
+            None
+        }
+    };
     let model = load_model(&config, &device)?;
     let mut manager = MultiAdapterManager::for_model(&model);
-    manager.load_adapters(&dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
+    if let Some(dir) = &dir {
+        manager.load_adapters(dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
+    }
     let episodes = args.episodes.unwrap_or(config.eval.episodes);
-    let summary = evaluate(&model, &manager, &config, episodes, registry)
-        .with_context(|| format!("evaluating {}", dir.display()))?;
+    tracing::info!("evaluating {episodes} held-out episodes of {}", config.env.name);
+    let what = dir.as_ref().map_or_else(|| "the baselines".to_string(), |d| d.display().to_string());
+    let summary =
+        evaluate(&model, &manager, &config, episodes, registry).with_context(|| format!("evaluating {what}"))?;
     let mut value = serde_json::to_value(&summary)?;
-    value["adapters"] = serde_json::Value::String(dir.display().to_string());
+    value["adapters"] = dir.map_or(serde_json::Value::Null, |d| serde_json::Value::String(d.display().to_string()));
     println!("{}", serde_json::to_string_pretty(&value)?);
     Ok(())
 }

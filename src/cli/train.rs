@@ -84,6 +84,12 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
         (None, None) => anyhow::bail!("give --config FILE, or --resume RUN_DIR"),
     };
     let total = run.config.run.iterations as u64;
+    if run.finished() {
+        tracing::warn!(
+            "{} is already at iteration {total} of {total}: nothing to train; extend it with --set run.iterations=N (N > {total})",
+            run.run_dir.display()
+        );
+    }
     // indicatif draws nothing when stderr is not a terminal; then every line is printed as is.
     let plain = args.quiet || !std::io::stderr().is_terminal();
     let bar = if plain { ProgressBar::hidden() } else { ProgressBar::new(total) };

@@ -34,9 +34,9 @@ crate::section::config_section! {
         /// end, as the references score games (a training move cap is
         /// `training.max_episode_steps`).
         pub max_episode_steps: Option<usize> = None,
-        /// During training, a held-out evaluation every this many iterations (0: none), on the
-        /// same `every_episodes` deals each time, written to `metrics.jsonl` as `eval_score` and
-        /// `eval_score_stderr`.
+        /// During training, a held-out evaluation every this many iterations and at the last one
+        /// (0: none), on the same `every_episodes` deals each time, written to `metrics.jsonl` as
+        /// `eval_score` and `eval_score_stderr`.
         pub every: usize = 0,
         /// Episodes of each evaluation during training.
         pub every_episodes: usize = 32,
@@ -115,11 +115,22 @@ pub fn play_held_out(
     let spec = config.eval_env_spec();
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
     let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
-    for chunk in seeds.chunks(config.runtime.eval_batch_episodes.max(1)) {
+    let batch = config.runtime.eval_batch_episodes.max(1);
+    let started = Instant::now();
+    for chunk in seeds.chunks(batch) {
         let mut rngs = episode_rngs(config.eval.seed, records.len(), chunk.len());
         let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
         let play = Rollout { model, manager, seat_agents: &config.agents.seats, config: &rollout };
         records.extend(play.play(&mut envs, chunk, baselines, &mut rngs)?);
+        // Progress for evaluations of several batches (a held-out evaluation inside training is
+        // usually one batch and stays quiet under the progress bar).
+        if episodes > batch {
+            tracing::info!(
+                "evaluated {}/{episodes} episodes ({:.0} s)",
+                records.len(),
+                started.elapsed().as_secs_f64()
+            );
+        }
     }
     Ok(records)
 }

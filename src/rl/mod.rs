@@ -22,6 +22,7 @@ pub mod protocol_writer;
 pub mod rollout;
 pub mod run;
 pub mod trainer;
+pub mod trl_stats;
 pub mod update;
 pub mod warmup;
 

@@ -76,6 +76,8 @@ pub struct IterationStats {
     pub env_metrics: BTreeMap<String, f64>,
     /// In `choice` mode, the policy's mean entropy (nats) over the decisions.
     pub choice_entropy: Option<f64>,
+    /// TRL's completion and group statistics ([`super::trl_stats`]), by their metric names.
+    pub trl: BTreeMap<String, f64>,
 }
 
 /// One iteration's rollouts, drawn by [`MagrpoTrainer::plan`]: every episode's environment
@@ -352,7 +354,10 @@ impl MagrpoTrainer {
         let rollout = RolloutStats::of(groups.iter().flatten(), &flop_model);
 
         let credit_started = Instant::now();
-        let Credited { mut batch, stats: credit } = self.credit.assign(&self.model.tokenizer, &groups)?;
+        let Credited { mut batch, stats: credit, shaped } = self.credit.assign(&self.model.tokenizer, &groups)?;
+        let cap =
+            (self.config.action.mode == super::rollout::ActionMode::Free).then_some(self.config.action.max_new_tokens);
+        let trl = super::trl_stats::trl_stats(&groups, &shaped, &self.config.agents.seats, cap);
         let objective = self.objective();
         // The KL reference is one more forward over the batch, once however many epochs follow.
         let mut update_flops = 0.0;
@@ -413,6 +418,7 @@ impl MagrpoTrainer {
                 .collect(),
             choice_entropy: rollout.choice_entropy,
             env_metrics: rollout.env_metrics,
+            trl,
         })
     }
 }

@@ -137,10 +137,11 @@ struct Run {
 
 #[pymethods]
 impl Run {
-    /// Starts a run from `config_yaml` (or resumes the one in `resume_dir`), with Python reward
+    /// Starts a run from `config_yaml` (or resumes the one in `resume_dir`, with `--set`-style
+    /// `overrides` such as `run.iterations=40`), with Python reward
     /// functions and environment factories registered under their names.
     #[new]
-    #[pyo3(signature = (config_yaml, origin, rewards, envs, resume_dir=None))]
+    #[pyo3(signature = (config_yaml, origin, rewards, envs, resume_dir=None, overrides=Vec::new()))]
     fn new(
         py: Python<'_>,
         config_yaml: &str,
@@ -148,13 +149,14 @@ impl Run {
         rewards: Vec<(String, Py<PyAny>)>,
         envs: Vec<(String, Py<PyAny>)>,
         resume_dir: Option<PathBuf>,
+        overrides: Vec<String>,
     ) -> PyResult<Self> {
         let registry = registry_with(rewards, envs);
         let run = match resume_dir {
             Some(dir) => {
                 let device = troupe::device::default_device().map_err(engine_error)?;
                 without_gil(py, (registry, device), |(registry, device)| {
-                    TrainingRun::resume(&dir, &[], registry, &device).map_err(|e| e.to_string())
+                    TrainingRun::resume(&dir, &overrides, registry, &device).map_err(|e| e.to_string())
                 })
             }
             None => {
@@ -388,11 +390,21 @@ fn reward_names(config_yaml: &str) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// A metrics line (JSON, as [`Run::run_iteration`] returns it) under TRL's GRPO metric names,
+/// as `run.report_to: [tensorboard]` logs it: `(name, value)` pairs for a tracker such as W&B.
+#[pyfunction]
+fn trl_scalars(metrics_json: &str) -> PyResult<Vec<(String, f64)>> {
+    let metrics: troupe::rl::IterationMetrics =
+        serde_json::from_str(metrics_json).map_err(|e| PyValueError::new_err(format!("metrics line: {e}")))?;
+    Ok(troupe::rl::run::tracking::trl_scalars(&metrics))
+}
+
 /// The extension module.
 #[pymodule]
 fn _engine(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Run>()?;
     m.add_class::<RolloutWorker>()?;
+    m.add_function(wrap_pyfunction!(trl_scalars, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

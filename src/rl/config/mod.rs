@@ -116,7 +116,9 @@ impl TrainConfig {
         let schema = schema();
         for raw in overrides {
             let raw = migrate::moved_override(raw);
-            apply_override(&mut tree, &raw, &schema).map_err(|(key, message)| config_error(key, message))?;
+            // A key the schema does not have is the override's fault, not the file's.
+            apply_override(&mut tree, &raw, &schema)
+                .map_err(|(key, message)| TroupeError::config(PathBuf::from("--set"), key, message))?;
         }
         let config: TrainConfig = serde_path_to_error::deserialize(tree).map_err(|err| {
             let key = err.path().to_string();
@@ -411,7 +413,7 @@ mod tests {
     #[test]
     fn bad_overrides_are_named() {
         let err = error("", &["training.lrr=0.1"]);
-        assert!(err.starts_with("configs/test.yaml: training.lrr: unknown key") && err.contains("optimizer,"), "{err}");
+        assert!(err.starts_with("--set: training.lrr: unknown key") && err.contains("optimizer,"), "{err}");
         let err = error("", &["trainig.lr=0.1"]);
         assert!(err.contains("trainig.lr: unknown key (known sections: run, model"), "{err}");
         let err = error("", &["training.group_size=four"]);

@@ -23,7 +23,7 @@ use external_reward::{ExternalRewards, RewardItem};
 use rewards::{RewardFunction, RewardPipeline, SeatOutcome};
 
 /// Every episode's shaped rewards, `[group][episode][seat][step]` ([`shaped_step_rewards`]).
-type ShapedRewards = Vec<Vec<Vec<Vec<f64>>>>;
+pub type ShapedRewards = Vec<Vec<Vec<Vec<f64>>>>;
 
 /// The credit phase: the reward pipeline (built-in, registered and external functions, then
 /// processors), the discount and the advantage estimator, over one run's seats.
@@ -44,6 +44,8 @@ pub struct Credited {
     pub batch: TrainBatch,
     /// The agents' returns.
     pub stats: CreditStats,
+    /// Every episode's shaped rewards, `[group][episode][seat][step]`.
+    pub shaped: ShapedRewards,
 }
 
 /// The credit phase's statistics: per agent, the mean and std over episodes of the summed
@@ -225,7 +227,7 @@ impl Credit {
             .collect();
         let batch = TrainBatch::from_groups(groups, &returns, &self.seat_agents, self.advantage);
         let stats = CreditStats::of(&shaped, &self.seat_agents);
-        Ok(Credited { batch, stats })
+        Ok(Credited { batch, stats, shaped })
     }
 }
 

@@ -86,6 +86,7 @@ impl From<&IterationStats> for IterationMetrics {
                 extra.insert(format!("env_{name}"), *mean);
             }
         }
+        extra.extend(stats.trl.iter().map(|(k, v)| (k.clone(), *v)));
         for (phase, flops) in &stats.phase_flops {
             extra.insert(format!("gflop_{phase}"), flops / 1e9);
             if let Some(seconds) = stats.phase_seconds.get(phase).filter(|s| **s > 0.0) {
@@ -302,8 +303,10 @@ mod tests {
             phase_flops: [("rollout".to_string(), 4e9)].into_iter().collect(),
             env_metrics: [("score".to_string(), 3.5), ("plays".to_string(), 2.0)].into_iter().collect(),
             choice_entropy: Some(1.25),
+            trl: [("frac_reward_zero_std".to_string(), 0.5)].into_iter().collect(),
         };
         let line = IterationMetrics::from(&stats);
+        assert_eq!(line.extra["frac_reward_zero_std"], 0.5);
         assert_eq!(line.iteration, 4);
         assert_eq!(line.mean_return, stats.mean_return);
         assert_eq!(line.grad_norm["shared"], 0.75);

@@ -18,6 +18,7 @@ pub mod checkpoint;
 pub mod lock;
 pub mod metrics;
 pub mod plot;
+pub mod tracking;
 
 use std::path::{Path, PathBuf};
 
@@ -26,6 +27,7 @@ use troupe_envs::Registry;
 use self::checkpoint::{clean_staging, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint};
 use self::lock::{RunLock, LOCK_FILE};
 use self::metrics::{truncate_to, IterationMetrics, MetricsWriter};
+use self::tracking::Trackers;
 use super::config::{TrainConfig, CONFIG_FILE};
 use super::rollout::EpisodeRecord;
 use super::trainer::{MagrpoTrainer, RolloutPlan, TrainerState};
@@ -46,6 +48,9 @@ crate::section::config_section! {
         pub checkpoint_every: usize = 5,
         /// A log line every this many iterations (metrics.jsonl gets every iteration).
         pub log_every: usize = 1,
+        /// Where the metrics go: `jsonl` (`metrics.jsonl`, always written) and `tensorboard`
+        /// (event files in `RUN_DIR/tensorboard/`, TRL's metric names; see `docs/tracking.md`).
+        pub report_to: Vec<tracking::ReportTo> = tracking::default_report_to(),
     }
 }
 
@@ -63,6 +68,8 @@ pub struct TrainingRun {
     /// wrote none); not in `metrics.jsonl`, whose line is written before the checkpoint.
     pub checkpoint_seconds: f64,
     metrics: MetricsWriter,
+    /// `run.report_to`'s trackers besides `metrics.jsonl`.
+    trackers: Trackers,
     /// Held for the run's life: no second trainer in this directory.
     _lock: RunLock,
 }
@@ -140,9 +147,19 @@ impl TrainingRun {
         super::config::guard::record(&config, &run_dir)?;
         let _ = std::fs::remove_file(self::metrics::metrics_path(&run_dir));
         let metrics = MetricsWriter::open(&run_dir)?;
+        let trackers = Trackers::open(&run_dir, &config.run.report_to)?;
         let state = trainer.state();
         let dir = save_checkpoint(&run_dir, 0, &trainer.manager, &state.optimizer_states, &state.rng)?;
-        Ok(Self { run_dir, config, trainer, last_checkpoint: (0, dir), checkpoint_seconds: 0.0, metrics, _lock: lock })
+        Ok(Self {
+            run_dir,
+            config,
+            trainer,
+            last_checkpoint: (0, dir),
+            checkpoint_seconds: 0.0,
+            metrics,
+            trackers,
+            _lock: lock,
+        })
     }
 
     /// Continues the run in `run_dir` from its newest complete checkpoint. `overrides`
@@ -173,8 +190,20 @@ impl TrainingRun {
         // The run lives where it is now, even if it was moved since it started.
         config.run.out_dir = run_dir.to_path_buf();
         clean_staging(run_dir)?;
+        let latest = latest_checkpoint(run_dir)?;
+        if let Some((last, _)) = latest.as_ref().filter(|(last, _)| *last > config.run.iterations as u64) {
+            let from_set = overrides.iter().any(|o| o.split('=').next().is_some_and(|k| k.trim() == "run.iterations"));
+            return Err(TroupeError::config(
+                if from_set { PathBuf::from("--set") } else { config_path.clone() },
+                "run.iterations",
+                format!(
+                    "{} is below the run's last checkpoint (iteration {last}): a resumed run only goes forward; set run.iterations above {last} to continue it",
+                    config.run.iterations
+                ),
+            ));
+        }
         let model = load_model(&config, device)?;
-        if latest_checkpoint(run_dir)?.is_none() {
+        if latest.is_none() {
             // Cut off before its first checkpoint was whole (a kill, a full disk): nothing was
             // trained yet, so the run starts again from its saved config.
             tracing::warn!(
@@ -192,11 +221,22 @@ impl TrainingRun {
             rng: checkpoint.rng,
             optimizer_states: checkpoint.optimizer_states,
         });
+        let saved_iterations = TrainConfig::from_yaml_file(&config_path, &[], trainer.registry())?.run.iterations;
+        if saved_iterations != config.run.iterations && config.training.lr_final_fraction < 1.0 {
+            let next = checkpoint.iteration + 1;
+            tracing::warn!(
+                "run.iterations {saved_iterations} -> {}: the learning rate's decay is recomputed to end at iteration {}; iteration {next} runs at {:.3e}",
+                config.run.iterations,
+                config.run.iterations,
+                trainer.learning_rate(next)
+            );
+        }
         if !overrides.is_empty() {
             config.save(run_dir)?;
         }
         truncate_to(run_dir, checkpoint.iteration)?;
         let metrics = MetricsWriter::open(run_dir)?;
+        let trackers = Trackers::open(run_dir, &config.run.report_to)?;
         Ok(Self {
             run_dir: run_dir.to_path_buf(),
             config,
@@ -204,6 +244,7 @@ impl TrainingRun {
             last_checkpoint: (checkpoint.iteration, dir),
             checkpoint_seconds: 0.0,
             metrics,
+            trackers,
             _lock: lock,
         })
     }
@@ -260,7 +301,8 @@ impl TrainingRun {
         }
         let iteration = stats.iteration;
         let eval = &self.config.eval;
-        if eval.every > 0 && iteration % eval.every as u64 == 0 {
+        let last = iteration >= self.config.run.iterations as u64;
+        if eval.every > 0 && (iteration % eval.every as u64 == 0 || last) {
             let started = std::time::Instant::now();
             let summary = self.held_out_eval()?;
             metrics.extra.insert("eval_score".into(), summary.score.mean);
@@ -271,6 +313,7 @@ impl TrainingRun {
             metrics.seconds += started.elapsed().as_secs_f64();
         }
         self.metrics.append(&metrics)?;
+        self.trackers.log(&metrics)?;
         self.checkpoint_seconds = 0.0;
         if iteration % self.config.run.checkpoint_every as u64 == 0 || iteration >= self.config.run.iterations as u64 {
             let started = std::time::Instant::now();

@@ -147,6 +147,10 @@ pub fn learning_curves(records: &[IterationMetrics]) -> Vec<Chart> {
             ),
         },
     ];
+    // No reply was ever invalid (`choice` mode cannot give one): a flat zero says nothing.
+    if records.iter().all(|r| r.invalid_rate == 0.0) {
+        charts.retain(|c| c.file_stem != "invalid_rate");
+    }
     if !score.series.is_empty() {
         charts.insert(1, score);
     }
@@ -180,10 +184,16 @@ pub fn plot_metrics(records: &[IterationMetrics], out_dir: &Path) -> Result<Vec<
         written.push(path);
     }
     let path = out_dir.join("learning_curves.png");
-    let (size, grid) = if charts.len() > 4 { ((OVERVIEW.0 * 3 / 2, OVERVIEW.1), (2, 3)) } else { (OVERVIEW, (2, 2)) };
+    // Two rows from four charts on (the second row's panels share its width, so no slot is
+    // left empty), one row below that.
+    let rows = if charts.len() >= 4 { 2 } else { 1 };
+    let per_row = charts.len().div_ceil(rows);
+    let size = if per_row > 2 { (OVERVIEW.0 * per_row as u32 / 2, OVERVIEW.1) } else { OVERVIEW };
     write_png_atomic(&path, size, |area| {
-        for (panel, chart) in area.split_evenly(grid).iter().zip(&charts) {
-            draw_chart(panel, chart, 0.9)?;
+        for (row, row_charts) in area.split_evenly((rows, 1)).iter().zip(charts.chunks(per_row)) {
+            for (panel, chart) in row.split_evenly((1, row_charts.len())).iter().zip(row_charts) {
+                draw_chart(panel, chart, 0.9)?;
+            }
         }
         Ok(())
     })?;
@@ -283,8 +293,12 @@ fn draw_chart(area: &DrawingArea<BitMapBackend<'_>, Shift>, chart: &Chart, scale
         .draw()
         .map_err(|e| e.to_string())?;
 
+    let count = chart.series.len();
     for (i, series) in chart.series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
+        // Earlier curves are drawn wider, so a curve equal to a later one still shows around it.
+        let width = 2 + 3 * (count - 1 - i) as u32;
+        let radius = 3 + 3 * (count - 1 - i) as i32;
         let finite: Vec<(f64, f64)> = series.points.iter().copied().filter(|p| p.1.is_finite()).collect();
         if series.band.len() >= 2 {
             let mut outline: Vec<(f64, f64)> = series.band.iter().map(|&(x, _, hi)| (x, hi)).collect();
@@ -292,13 +306,14 @@ fn draw_chart(area: &DrawingArea<BitMapBackend<'_>, Shift>, chart: &Chart, scale
             ctx.draw_series(std::iter::once(Polygon::new(outline, color.mix(0.15).filled())))
                 .map_err(|e| e.to_string())?;
         }
-        ctx.draw_series(LineSeries::new(finite.iter().copied(), color.stroke_width(2)))
+        ctx.draw_series(LineSeries::new(finite.iter().copied(), color.stroke_width(width)))
             .map_err(|e| e.to_string())?
             .label(series.name.as_str())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 22, y)], color.stroke_width(3)));
         // Markers, so short runs (one or two iterations) are visible.
         if finite.len() <= 60 {
-            ctx.draw_series(finite.iter().map(|&p| Circle::new(p, 3, color.filled()))).map_err(|e| e.to_string())?;
+            ctx.draw_series(finite.iter().map(|&p| Circle::new(p, radius, color.filled())))
+                .map_err(|e| e.to_string())?;
         }
     }
     // A single curve is named by the title; several get a legend, in the upper corner the
@@ -393,6 +408,49 @@ mod tests {
         assert_eq!(held_out.points, vec![(2.0, 0.5), (4.0, 1.5)]);
         assert_eq!(held_out.band, vec![(2.0, 0.25, 0.75)], "a band where the standard error is known");
         assert_eq!(charts[1].series[0].points.len(), 4);
+    }
+
+    #[test]
+    fn a_run_without_invalid_replies_has_no_invalid_rate_panel() {
+        let records: Vec<_> = (1..=3).map(|i| IterationMetrics { invalid_rate: 0.0, ..record(i) }).collect();
+        let stems: Vec<_> = learning_curves(&records).iter().map(|c| c.file_stem).collect();
+        assert_eq!(stems, ["mean_return", "loss", "grad_norm"]);
+    }
+
+    #[test]
+    fn equal_curves_both_show() {
+        // Agent 0's curve equals agent 1's, which is drawn after it: agent 0's colour must
+        // still be visible in the picture (it is drawn wider, beneath).
+        let records: Vec<_> = (1..=4)
+            .map(|i| {
+                let mut r = record(i);
+                r.mean_return = [(0, 1.0 + i as f64), (1, 1.0 + i as f64)].into_iter().collect();
+                r
+            })
+            .collect();
+        let dir = tempfile::tempdir().unwrap();
+        plot_metrics(&records, dir.path()).unwrap();
+        let png = std::fs::read(dir.path().join("mean_return.png")).unwrap();
+        let decoded = image_pixels(&png);
+        let colour = |i: usize| {
+            let c = Palette99::pick(i).to_rgba();
+            (c.0, c.1, c.2)
+        };
+        // Pixels of about the agent's colour (anti-aliasing blends the edges); the legend's
+        // swatch alone is about 70.
+        let near = |p: (u8, u8, u8), c: (u8, u8, u8)| {
+            p.0.abs_diff(c.0) as u32 + p.1.abs_diff(c.1) as u32 + p.2.abs_diff(c.2) as u32 <= 60
+        };
+        for agent in 0..2 {
+            let count = decoded.iter().filter(|&&p| near(p, colour(agent))).count();
+            assert!(count > 500, "agent {agent}'s colour: {count} pixels");
+        }
+    }
+
+    /// The RGB pixels of a PNG.
+    fn image_pixels(png: &[u8]) -> Vec<(u8, u8, u8)> {
+        let image = image::load_from_memory(png).unwrap().to_rgb8();
+        image.pixels().map(|p| (p[0], p[1], p[2])).collect()
     }
 
     #[test]
