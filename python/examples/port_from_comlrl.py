@@ -59,7 +59,7 @@ def main():
                 "training": {
                     "group_size": 4,                       # MAGRPOConfig.num_generations
                     "groups_per_iteration": 2,             # prompts per update
-                    "lr": 5.0e-3,                          # MAGRPOConfig.learning_rate (LoRA, not full weights)
+                    "optimizer": {"lr": 5.0e-3},           # MAGRPOConfig.learning_rate (LoRA, not full weights)
                 },
                 "eval": {"episodes": 8},
             },

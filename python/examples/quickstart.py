@@ -34,7 +34,7 @@ def main():
         config={                               # anything `troupe train --config` takes
             "run": {"iterations": iterations, "checkpoint_every": 100, "seed": 3},
             "action": {"max_new_tokens": 16},
-            "training": {"group_size": 4, "groups_per_iteration": 2, "lr": 5.0e-3},
+            "training": {"group_size": 4, "groups_per_iteration": 2, "optimizer": {"lr": 5.0e-3}},
             "eval": {"episodes": 16},
         },
     )

@@ -76,7 +76,7 @@ def config(env_path, **params):
         "run": {"iterations": 2, "checkpoint_every": 100, "seed": 1},
         "env": {"name": "external", "command": [sys.executable, str(env_path)], "params": params},
         "action": {"mode": "choice", "chat_template": False},
-        "training": {"group_size": 2, "groups_per_iteration": 2, "lr": 1.0e-3},
+        "training": {"group_size": 2, "groups_per_iteration": 2, "optimizer": {"lr": 1.0e-3}},
         "eval": {"episodes": 4},
     }
 

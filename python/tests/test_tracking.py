@@ -22,7 +22,7 @@ def small_config(iterations):
     return {
         "run": {"iterations": iterations, "checkpoint_every": 1, "seed": 3},
         "action": {"max_new_tokens": 8},
-        "training": {"group_size": 2, "groups_per_iteration": 1, "lr": 5.0e-3},
+        "training": {"group_size": 2, "groups_per_iteration": 1, "optimizer": {"lr": 5.0e-3}},
         "eval": {"episodes": 2},
     }
 
