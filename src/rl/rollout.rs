@@ -258,39 +258,94 @@ pub fn run_episodes_with_baselines(
     if envs.len() != seeds.len() {
         return Err(TroupeError::invalid("seeds", "one seed per environment"));
     }
-    if envs.len() != rngs.len() {
-        return Err(TroupeError::invalid("rngs", "one random generator per environment"));
+    run_episodes_in_flight(model, manager, envs, seeds, seat_agents, baselines, config, rngs)
+}
+
+/// Plays one episode per seed of `seeds` with at most `slots.len()` games in flight: the games
+/// in `slots` advance together as in [`run_episodes_with_baselines`], and when one ends its slot
+/// is reset with the next seed, so the batch stays full while games of different lengths finish.
+/// `rngs[i]` is episode `i`'s generator whichever slot plays it, so the records (in seed order)
+/// are those of the same episodes played one at a time or all at once.
+#[allow(clippy::too_many_arguments)]
+pub fn run_episodes_in_flight(
+    model: &Model,
+    manager: &MultiAdapterManager,
+    slots: &mut [Box<dyn Environment>],
+    seeds: &[u64],
+    seat_agents: &[usize],
+    baselines: &mut BTreeMap<SeatId, Box<dyn Policy>>,
+    config: &RolloutConfig,
+    rngs: &mut [ChaCha8Rng],
+) -> Result<Vec<EpisodeRecord>> {
+    if rngs.len() != seeds.len() {
+        return Err(TroupeError::invalid("rngs", "one random generator per episode"));
     }
-    let mut records: Vec<EpisodeRecord> = Vec::with_capacity(envs.len());
-    troupe_envs::batch::reset_all(envs, seeds)?;
-    for (env, &seed) in envs.iter().zip(seeds) {
-        if seat_agents.len() < env.num_seats() {
-            return Err(TroupeError::setting("agents.seats", format!("{} seats need an agent each", env.num_seats())));
-        }
-        records.push(EpisodeRecord {
+    if slots.is_empty() && !seeds.is_empty() {
+        return Err(TroupeError::invalid("slots", "at least one environment to play the episodes in"));
+    }
+    let in_flight = slots.len().min(seeds.len());
+    let envs = &mut slots[..in_flight];
+    let mut records: Vec<EpisodeRecord> = seeds
+        .iter()
+        .map(|&seed| EpisodeRecord {
             seed,
             turns: Vec::new(),
-            env_returns: vec![0.0; env.num_seats()],
+            env_returns: Vec::new(),
             metrics: Default::default(),
             steps: 0,
             step_rewards: Vec::new(),
-        });
+        })
+        .collect();
+    let start = |record: &mut EpisodeRecord, env: &dyn Environment| -> Result<()> {
+        if seat_agents.len() < env.num_seats() {
+            return Err(TroupeError::setting("agents.seats", format!("{} seats need an agent each", env.num_seats())));
+        }
+        record.env_returns = vec![0.0; env.num_seats()];
+        Ok(())
+    };
+    troupe_envs::batch::reset_all(envs, &seeds[..in_flight])?;
+    for (record, env) in records.iter_mut().zip(envs.iter()) {
+        start(record, env.as_ref())?;
     }
-    let mut ended = vec![false; envs.len()];
+    // Slot `i` plays episode `episode_of[i]` with that episode's generator, `slot_rngs[i]`
+    // (handed back to `rngs` when the episode ends).
+    let mut episode_of: Vec<usize> = (0..in_flight).collect();
+    let mut slot_rngs: Vec<ChaCha8Rng> = rngs[..in_flight].to_vec();
+    let mut next = in_flight;
+    // `stopped[i]`: slot i's episode was ended by a fallback; `idle[i]`: no episode left for it.
+    let mut stopped = vec![false; in_flight];
+    let mut idle = vec![false; in_flight];
     loop {
+        for i in 0..in_flight {
+            while !idle[i]
+                && (stopped[i] || envs[i].is_terminal() || records[episode_of[i]].steps >= config.max_episode_steps)
+            {
+                records[episode_of[i]].metrics = envs[i].metrics();
+                rngs[episode_of[i]] = slot_rngs[i].clone();
+                stopped[i] = false;
+                if next == seeds.len() {
+                    idle[i] = true;
+                    break;
+                }
+                troupe_envs::batch::reset_one(envs[i].as_mut(), seeds[next])?;
+                start(&mut records[next], envs[i].as_ref())?;
+                slot_rngs[i] = rngs[next].clone();
+                episode_of[i] = next;
+                next += 1;
+            }
+        }
         let mut pending = Vec::new();
-        // Per live episode: each acting seat's action source, in acting order.
+        // Per live slot: each acting seat's action source, in acting order.
         let mut acting: Vec<(usize, Vec<Source>)> = Vec::new();
         for (i, env) in envs.iter().enumerate() {
-            if ended[i] || env.is_terminal() || records[i].steps >= config.max_episode_steps {
-                ended[i] = true;
+            if idle[i] {
                 continue;
             }
             let mut sources = Vec::new();
             for seat in env.acting_seats() {
                 if let Some(policy) = baselines.get_mut(&seat) {
                     let action = policy
-                        .act(env.as_ref(), seat, &mut rngs[i])
+                        .act(env.as_ref(), seat, &mut slot_rngs[i])
                         .map_err(|e| TroupeError::setting(format!("eval.baseline_seats.{seat}"), e.to_string()))?;
                     sources.push(Source::Baseline(action));
                     continue;
@@ -313,9 +368,9 @@ pub fn run_episodes_with_baselines(
         }
         let decided = match config.mode {
             _ if pending.is_empty() => Vec::new(),
-            ActionMode::Free => decide_free(model, manager, envs, &pending, config, rngs)?,
-            ActionMode::Constrained => decide_constrained(model, manager, envs, &pending, config, rngs)?,
-            ActionMode::Choice => decide_choice(model, manager, envs, &pending, config, rngs)?,
+            ActionMode::Free => decide_free(model, manager, envs, &pending, config, &mut slot_rngs)?,
+            ActionMode::Constrained => decide_constrained(model, manager, envs, &pending, config, &mut slot_rngs)?,
+            ActionMode::Choice => decide_choice(model, manager, envs, &pending, config, &mut slot_rngs)?,
         };
         // Every live episode's joint action, stepped together (an external environment's
         // episodes in one exchange).
@@ -338,7 +393,7 @@ pub fn run_episodes_with_baselines(
         for ((episode, sources), (_, actions)) in acting.into_iter().zip(&joint) {
             let rows: Vec<usize> =
                 sources.iter().filter_map(|s| if let Source::Row(r) = s { Some(*r) } else { None }).collect();
-            let record = &mut records[episode];
+            let record = &mut records[episode_of[episode]];
             let outcome = if actions.is_some() { stepped.next() } else { None };
             let step_rewards = match outcome {
                 Some(Ok(rewards)) => rewards,
@@ -361,7 +416,7 @@ pub fn run_episodes_with_baselines(
                     ));
                 }
                 None => {
-                    ended[episode] = true;
+                    stopped[episode] = true;
                     vec![0.0; record.env_returns.len()]
                 }
             };
@@ -389,9 +444,6 @@ pub fn run_episodes_with_baselines(
                 });
             }
         }
-    }
-    for (record, env) in records.iter_mut().zip(envs.iter()) {
-        record.metrics = env.metrics();
     }
     Ok(records)
 }
