@@ -8,6 +8,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod config_file;
 pub mod config_guard;
+pub mod crossplay;
 pub mod eval;
 pub mod external_reward;
 pub mod flops;
