@@ -1,6 +1,8 @@
 //! `troupe eval --config FILE [--adapters DIR] [--episodes N]`: adapters play held-out
 //! episodes; prints a JSON summary (mean score with its standard error, invalid-action rate,
 //! ...). Without `--adapters` every seat must be a baseline (`eval.baseline_seats`).
+//! `troupe eval --config FILE --crossplay RUN_A RUN_B [...]`: the self-play / cross-play matrix
+//! of independently trained teams (agent 0 of one run with the other agents of another), as JSON.
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +12,7 @@ use troupe_envs::Registry;
 
 use crate::adapters::MultiAdapterManager;
 use crate::rl::config::TrainConfig;
+use crate::rl::crossplay::crossplay;
 use crate::rl::eval::evaluate;
 use crate::rl::run::checkpoint::{latest_checkpoint, ADAPTERS_DIR};
 use crate::rl::run::load_model;
@@ -23,8 +26,13 @@ pub struct EvalArgs {
     /// The agents' adapters: a PEFT adapters directory (with `troupe.json`), a checkpoint
     /// directory, or a run directory (its newest checkpoint). Not needed when every seat is
     /// played by a baseline (`--set 'eval.baseline_seats={0: rule, 1: rule}'`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "crossplay")]
     pub adapters: Option<PathBuf>,
+    /// Two or more runs (each as `--adapters` takes it): every ordered pair plays the held-out
+    /// episodes, agent 0 from the row's run and the other agents from the column's; prints the
+    /// matrix of mean scores ± s.e.
+    #[arg(long, num_args = 2.., value_name = "RUN")]
+    pub crossplay: Vec<PathBuf>,
     /// Episodes (default: the config's `eval.episodes`).
     #[arg(long)]
     pub episodes: Option<usize>,
@@ -76,13 +84,29 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
         Some(d) => d,
         None => crate::device::parse_device(&config.model.device)?,
     };
+    let episodes = args.episodes.unwrap_or(config.eval.episodes);
+    if !args.crossplay.is_empty() {
+        let dirs = args.crossplay.iter().map(|path| resolve_adapters_dir(path)).collect::<anyhow::Result<Vec<_>>>()?;
+        let model = load_model(&config, &device)?;
+        let mut runs = Vec::with_capacity(dirs.len());
+        let mut names = Vec::with_capacity(dirs.len());
+        for dir in dirs {
+            let mut manager = MultiAdapterManager::for_model(&model);
+            manager.load_adapters(&dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
+            runs.push(manager);
+            names.push(dir.display().to_string());
+        }
+        let matrix = crossplay(&model, &runs, &names, &config, episodes, registry).context("cross-play")?;
+        println!("{}", serde_json::to_string_pretty(&matrix)?);
+        return Ok(());
+    }
     let dir = match &args.adapters {
         Some(path) => Some(resolve_adapters_dir(path)?),
         None => {
             let seats = &config.agents.seats;
             if let Some(seat) = (0..seats.len()).find(|s| !config.eval.baseline_seats.contains_key(s)) {
                 anyhow::bail!(
-                    "--adapters is missing: seat {seat} is played by agent {} (without --adapters every seat needs a baseline in eval.baseline_seats)",
+                    "--adapters is missing: seat {seat} is played by agent {} (without --adapters or --crossplay every seat needs a baseline in eval.baseline_seats)",
                     seats[seat]
                 );
             }
@@ -94,7 +118,6 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
     if let Some(dir) = &dir {
         manager.load_adapters(dir).with_context(|| format!("loading adapters from {}", dir.display()))?;
     }
-    let episodes = args.episodes.unwrap_or(config.eval.episodes);
     tracing::info!("evaluating {episodes} held-out episodes of {}", config.env.name);
     let what = dir.as_ref().map_or_else(|| "the baselines".to_string(), |d| d.display().to_string());
     let summary =

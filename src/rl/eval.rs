@@ -101,8 +101,9 @@ pub struct EvalSummary {
 
 /// Plays `episodes` held-out episodes: `eval.env` over the config's environment, seeds
 /// `eval.seed` on, the seats in `baselines` played by those policies and the others by their
-/// agents, `runtime.eval_batch_episodes` at a time. Episode `i` draws from its own random stream,
-/// so the records do not depend on the batch size.
+/// agents, with `runtime.eval_batch_episodes` games in flight (a finished game's slot takes the
+/// next seed, as training keeps its batch full). Episode `i` draws from its own random stream,
+/// so the records do not depend on how many games are in flight.
 pub fn play_held_out(
     model: &Model,
     manager: &MultiAdapterManager,
@@ -114,17 +115,19 @@ pub fn play_held_out(
     let rollout = config.eval_rollout_config();
     let spec = config.eval_env_spec();
     let seeds: Vec<u64> = (0..episodes as u64).map(|i| config.eval.seed + i).collect();
-    let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
-    let batch = config.runtime.eval_batch_episodes.max(1);
+    let in_flight = config.runtime.eval_batch_episodes.clamp(1, episodes.max(1));
+    let mut slots = (0..in_flight).map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
+    let mut rngs = episode_rngs(config.eval.seed, 0, episodes);
+    let play = Rollout { model, manager, seat_agents: &config.agents.seats, config: &rollout };
+    // Played in rounds of a few slots' worth of games, each round with every slot refilled as its
+    // game ends, so a long evaluation reports progress; every episode keeps its own generator,
+    // so the records are the same however the seeds are cut.
+    let round = in_flight * 4;
     let started = Instant::now();
-    for chunk in seeds.chunks(batch) {
-        let mut rngs = episode_rngs(config.eval.seed, records.len(), chunk.len());
-        let mut envs = chunk.iter().map(|_| make_env(registry, &spec)).collect::<Result<Vec<_>>>()?;
-        let play = Rollout { model, manager, seat_agents: &config.agents.seats, config: &rollout };
-        records.extend(play.play(&mut envs, chunk, baselines, &mut rngs)?);
-        // Progress for evaluations of several batches (a held-out evaluation inside training is
-        // usually one batch and stays quiet under the progress bar).
-        if episodes > batch {
+    let mut records: Vec<EpisodeRecord> = Vec::with_capacity(episodes);
+    for (seeds, rngs) in seeds.chunks(round).zip(rngs.chunks_mut(round)) {
+        records.extend(play.play(&mut slots, seeds, baselines, rngs)?);
+        if episodes > round {
             tracing::info!(
                 "evaluated {}/{episodes} episodes ({:.0} s)",
                 records.len(),
@@ -257,6 +260,45 @@ mod tests {
         let mut moved = evaluate(&model, &manager, &other, 3, &registry).unwrap();
         moved.seconds = 0.0;
         assert_ne!(serde_json::to_string(&moved).unwrap(), first, "other deals, another summary");
+    }
+
+    #[test]
+    fn games_in_flight_give_the_records_of_one_game_at_a_time() {
+        let registry = Registry::with_builtins();
+        let yaml = "env: {name: hanabi, players: 2, observation: compact}\n\
+                    action: {mode: choice, choice_score: mean, chat_template: false}\n\
+                    eval: {seed: 300, baseline_seats: {1: random}}\n\
+                    runtime: {eval_batch_episodes: 2}";
+        let config = TrainConfig::from_yaml_str(yaml, std::path::Path::new("test.yaml"), &[], &registry).unwrap();
+        let device = burn::tensor::Device::flex();
+        let model = load_model(&config, &device).unwrap();
+        let manager = fresh_adapters(&config, &model).unwrap();
+        let episodes = 5;
+        let baselines =
+            || -> BTreeMap<SeatId, Box<dyn Policy>> { BTreeMap::from([(1, registry.make_policy("random").unwrap())]) };
+        // 5 games through 2 slots: each slot is refilled as its game ends.
+        let in_flight = play_held_out(&model, &manager, &config, episodes, &registry, &mut baselines()).unwrap();
+        let rollout = config.eval_rollout_config();
+        let spec = config.eval_env_spec();
+        let alone: Vec<EpisodeRecord> = (0..episodes)
+            .map(|i| {
+                let mut envs = vec![make_env(&registry, &spec).unwrap()];
+                let mut rngs = episode_rngs(config.eval.seed, i, 1);
+                let seeds = [config.eval.seed + i as u64];
+                let play =
+                    Rollout { model: &model, manager: &manager, seat_agents: &config.agents.seats, config: &rollout };
+                let mut records = play.play(&mut envs, &seeds, &mut baselines(), &mut rngs).unwrap();
+                records.remove(0)
+            })
+            .collect();
+        assert_eq!(in_flight.len(), episodes);
+        for (i, (a, b)) in in_flight.iter().zip(&alone).enumerate() {
+            assert_eq!(a, b, "episode {i}");
+        }
+        // Games of different lengths: slots were refilled at different steps.
+        let steps: std::collections::BTreeSet<usize> = alone.iter().map(|e| e.steps).collect();
+        assert!(steps.len() > 1, "{steps:?}");
+        assert!(alone.iter().all(|e| !e.turns.is_empty()));
     }
 
     #[test]

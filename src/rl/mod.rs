@@ -14,6 +14,7 @@
 
 pub mod config;
 pub mod credit;
+pub mod crossplay;
 pub mod eval;
 pub mod flops;
 pub mod objective;

@@ -169,6 +169,9 @@ pub fn run_episodes(
     config: &RolloutConfig,
     rngs: &mut [ChaCha8Rng],
 ) -> Result<Vec<EpisodeRecord>> {
+    if envs.len() != seeds.len() {
+        return Err(TroupeError::invalid("seeds", "one seed per environment"));
+    }
     Rollout { model, manager, seat_agents, config }.play(envs, seeds, &mut BTreeMap::new(), rngs)
 }
 
@@ -186,13 +189,17 @@ pub fn episode_rngs(seed: u64, first: usize, count: usize) -> Vec<ChaCha8Rng> {
 }
 
 impl Rollout<'_> {
-    /// Plays one episode per environment in `envs` (reset with `seeds[i]`) to the end, as
-    /// [`run_episodes`], with some seats played by baseline policies (`baselines[seat]`) instead
-    /// of their agents, as `troupe eval` seats them. A baseline's moves are not agent turns: they
-    /// get no row in the batch and no [`Turn`] in the record.
+    /// Plays one episode per seed of `seeds` with at most `slots.len()` games in flight: the
+    /// games in `slots` advance together, every acting seat of every live game one row of one
+    /// batched pass per step, and when a game ends its slot is reset with the next seed, so the
+    /// batch stays full while games of different lengths finish. Seats in `baselines` are played
+    /// by those policies instead of their agents, as `troupe eval` seats them; a baseline's
+    /// moves are not agent turns (no row in the batch, no [`Turn`] in the record). `rngs[i]` is
+    /// episode `i`'s generator whichever slot plays it, so the records (in seed order) are
+    /// those of the same episodes played one at a time or all at once.
     pub fn play(
         &self,
-        envs: &mut [Box<dyn Environment>],
+        slots: &mut [Box<dyn Environment>],
         seeds: &[u64],
         baselines: &mut BTreeMap<SeatId, Box<dyn Policy>>,
         rngs: &mut [ChaCha8Rng],
@@ -200,45 +207,78 @@ impl Rollout<'_> {
         let Rollout { model, manager, seat_agents, config } = *self;
         let decider = config.action.mode.decider();
         let step = Step { model, manager, action: &config.action };
-        if envs.len() != seeds.len() {
-            return Err(TroupeError::invalid("seeds", "one seed per environment"));
+        if rngs.len() != seeds.len() {
+            return Err(TroupeError::invalid("rngs", "one random generator per episode"));
         }
-        if envs.len() != rngs.len() {
-            return Err(TroupeError::invalid("rngs", "one random generator per environment"));
+        if slots.is_empty() && !seeds.is_empty() {
+            return Err(TroupeError::invalid("slots", "at least one environment to play the episodes in"));
         }
-        let mut records: Vec<EpisodeRecord> = Vec::with_capacity(envs.len());
-        troupe_envs::batch::reset_all(envs, seeds)?;
-        for (env, &seed) in envs.iter().zip(seeds) {
+        let in_flight = slots.len().min(seeds.len());
+        let envs = &mut slots[..in_flight];
+        let mut records: Vec<EpisodeRecord> = seeds
+            .iter()
+            .map(|&seed| EpisodeRecord {
+                seed,
+                turns: Vec::new(),
+                env_returns: Vec::new(),
+                metrics: Default::default(),
+                steps: 0,
+                step_rewards: Vec::new(),
+            })
+            .collect();
+        let start = |record: &mut EpisodeRecord, env: &dyn Environment| -> Result<()> {
             if seat_agents.len() < env.num_seats() {
                 return Err(TroupeError::setting(
                     "agents.seats",
                     format!("{} seats need an agent each", env.num_seats()),
                 ));
             }
-            records.push(EpisodeRecord {
-                seed,
-                turns: Vec::new(),
-                env_returns: vec![0.0; env.num_seats()],
-                metrics: Default::default(),
-                steps: 0,
-                step_rewards: Vec::new(),
-            });
+            record.env_returns = vec![0.0; env.num_seats()];
+            Ok(())
+        };
+        troupe_envs::batch::reset_all(envs, &seeds[..in_flight])?;
+        for (record, env) in records.iter_mut().zip(envs.iter()) {
+            start(record, env.as_ref())?;
         }
-        let mut ended = vec![false; envs.len()];
+        // Slot `i` plays episode `episode_of[i]` with that episode's generator, `slot_rngs[i]`
+        // (handed back to `rngs` when the episode ends).
+        let mut episode_of: Vec<usize> = (0..in_flight).collect();
+        let mut slot_rngs: Vec<ChaCha8Rng> = rngs[..in_flight].to_vec();
+        let mut next = in_flight;
+        // `stopped[i]`: slot i's episode was ended by a fallback; `idle[i]`: no episode left for it.
+        let mut stopped = vec![false; in_flight];
+        let mut idle = vec![false; in_flight];
         loop {
+            for i in 0..in_flight {
+                while !idle[i]
+                    && (stopped[i] || envs[i].is_terminal() || records[episode_of[i]].steps >= config.max_episode_steps)
+                {
+                    records[episode_of[i]].metrics = envs[i].metrics();
+                    rngs[episode_of[i]] = slot_rngs[i].clone();
+                    stopped[i] = false;
+                    if next == seeds.len() {
+                        idle[i] = true;
+                        break;
+                    }
+                    troupe_envs::batch::reset_one(envs[i].as_mut(), seeds[next])?;
+                    start(&mut records[next], envs[i].as_ref())?;
+                    slot_rngs[i] = rngs[next].clone();
+                    episode_of[i] = next;
+                    next += 1;
+                }
+            }
             let mut pending = Vec::new();
-            // Per live episode: each acting seat's action source, in acting order.
+            // Per live slot: each acting seat's action source, in acting order.
             let mut acting: Vec<(usize, Vec<Source>)> = Vec::new();
             for (i, env) in envs.iter().enumerate() {
-                if ended[i] || env.is_terminal() || records[i].steps >= config.max_episode_steps {
-                    ended[i] = true;
+                if idle[i] {
                     continue;
                 }
                 let mut sources = Vec::new();
                 for seat in env.acting_seats() {
                     if let Some(policy) = baselines.get_mut(&seat) {
                         let action = policy
-                            .act(env.as_ref(), seat, &mut rngs[i])
+                            .act(env.as_ref(), seat, &mut slot_rngs[i])
                             .map_err(|e| TroupeError::setting(format!("eval.baseline_seats.{seat}"), e.to_string()))?;
                         sources.push(Source::Baseline(action));
                         continue;
@@ -259,12 +299,13 @@ impl Rollout<'_> {
             if acting.is_empty() {
                 break;
             }
-            let decided = if pending.is_empty() { Vec::new() } else { decider.decide(&step, envs, &pending, rngs)? };
-            // Every live episode's joint action, stepped together (an external environment's
-            // episodes in one exchange).
+            let decided =
+                if pending.is_empty() { Vec::new() } else { decider.decide(&step, envs, &pending, &mut slot_rngs)? };
+            // Every live game's joint action, stepped together (an external environment's
+            // games in one exchange).
             let joint: Vec<(usize, Option<Vec<Action>>)> = acting
                 .iter()
-                .map(|(episode, sources)| {
+                .map(|(slot, sources)| {
                     let actions = sources
                         .iter()
                         .map(|s| match s {
@@ -272,39 +313,39 @@ impl Rollout<'_> {
                             Source::Baseline(action) => Some(action.clone()),
                         })
                         .collect();
-                    (*episode, actions)
+                    (*slot, actions)
                 })
                 .collect();
             let steps: Vec<(usize, Vec<Action>)> =
-                joint.iter().filter_map(|(episode, actions)| actions.clone().map(|a| (*episode, a))).collect();
+                joint.iter().filter_map(|(slot, actions)| actions.clone().map(|a| (*slot, a))).collect();
             let mut stepped = troupe_envs::batch::step_all(envs, &steps).into_iter();
-            for ((episode, sources), (_, actions)) in acting.into_iter().zip(&joint) {
+            for ((slot, sources), (_, actions)) in acting.into_iter().zip(&joint) {
                 let rows: Vec<usize> =
                     sources.iter().filter_map(|s| if let Source::Row(r) = s { Some(*r) } else { None }).collect();
-                let record = &mut records[episode];
+                let record = &mut records[episode_of[slot]];
                 let outcome = if actions.is_some() { stepped.next() } else { None };
                 let step_rewards = match outcome {
                     Some(Ok(rewards)) => rewards,
                     Some(Err(ActionError::Failed(message))) => {
-                        return Err(TroupeError::env_step(envs[episode].name(), message));
+                        return Err(TroupeError::env_step(envs[slot].name(), message));
                     }
-                    // Every action sent was legal or read by the environment itself: a refusal is a
-                    // defect of the environment, never a quiet end of the episode.
+                    // Every action sent was legal or read by the environment itself: a refusal is
+                    // a defect of the environment, never a quiet end of the episode.
                     Some(Err(err)) => {
                         let sent =
                             actions.as_deref().unwrap_or_default().iter().map(ToString::to_string).collect::<Vec<_>>();
+                        // An illegal-action error names the action itself: not said twice.
+                        let what = match &err {
+                            ActionError::Illegal { .. } => "refused an action".to_string(),
+                            _ => format!("refused the joint action [{}]", sent.join(", ")),
+                        };
                         return Err(TroupeError::env_step(
-                            envs[episode].name(),
-                            format!(
-                                "refused the joint action [{}] at step {} of the episode with seed {}: {err}",
-                                sent.join(", "),
-                                record.steps,
-                                record.seed
-                            ),
+                            envs[slot].name(),
+                            format!("{what} at step {} of the episode with seed {}: {err}", record.steps, record.seed),
                         ));
                     }
                     None => {
-                        ended[episode] = true;
+                        stopped[slot] = true;
                         vec![0.0; record.env_returns.len()]
                     }
                 };
@@ -332,9 +373,6 @@ impl Rollout<'_> {
                     });
                 }
             }
-        }
-        for (record, env) in records.iter_mut().zip(envs.iter()) {
-            record.metrics = env.metrics();
         }
         Ok(records)
     }

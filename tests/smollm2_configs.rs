@@ -1,0 +1,79 @@
+//! The SmolLM2 game configs (`configs/hanabi_smollm2.yaml`, `configs/hanabi_very_small_smollm2.yaml`)
+//! load as shipped, on the CPU and for `--device cuda`, and one iteration of each trains and
+//! evaluates with the tiny Llama GGUF fixture standing in for SmolLM2 (same family, a chat
+//! template in its metadata; no download).
+
+mod common;
+
+use std::path::Path;
+
+use troupe::rl::config::TrainConfig;
+use troupe::rl::run::TrainingRun;
+use troupe_envs::Registry;
+
+const CONFIGS: [&str; 2] = ["configs/hanabi_smollm2.yaml", "configs/hanabi_very_small_smollm2.yaml"];
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn the_configs_load_for_the_cpu_and_for_cuda() {
+    let registry = Registry::with_builtins();
+    for name in CONFIGS {
+        let path = root().join(name);
+        let config = TrainConfig::from_yaml_file(&path, &[], &registry).unwrap();
+        assert_eq!(config.model.device, "cpu", "{name}");
+        assert!(config.model.path.as_ref().unwrap().ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"), "{name}");
+        assert!(config.action.chat_template, "{name}");
+        config.build_env(&path, &registry).unwrap();
+        // For `--device cuda` the config is valid as it stands: a build without the `cuda`
+        // feature refuses the device and nothing else.
+        let cuda = TrainConfig::from_yaml_file(&path, &["model.device=cuda".to_string()], &registry);
+        if cfg!(feature = "cuda") {
+            assert_eq!(cuda.unwrap().model.device, "cuda", "{name}");
+        } else {
+            let err = cuda.unwrap_err().to_string();
+            assert!(err.contains("model.device") && err.contains("--features cuda"), "{name}: {err}");
+        }
+    }
+}
+
+#[test]
+fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
+    let registry = Registry::with_builtins();
+    let model = root().join("fixtures/gguf/tiny-llama.gguf");
+    for name in CONFIGS {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("run");
+        let overrides: Vec<String> = [
+            format!("model.path={}", model.display()),
+            format!("run.out_dir={}", out.display()),
+            "run.iterations=1".to_string(),
+            "run.checkpoint_every=1".to_string(),
+            "training.groups_per_iteration=1".to_string(),
+            "training.group_size=2".to_string(),
+            "training.max_episode_steps=6".to_string(),
+            "eval.every=0".to_string(),
+            // The fixture's 512 positions: the observation without the move history.
+            "env.history_moves=0".to_string(),
+        ]
+        .to_vec();
+        let mut overrides = overrides;
+        if name.ends_with("hanabi_smollm2.yaml") {
+            // Full Hanabi's longer observation: hands of 3 keep it within the fixture's positions.
+            overrides.push("env.hand_size=3".to_string());
+        }
+        let path = root().join(name);
+        let config = TrainConfig::from_yaml_file(&path, &overrides, &registry).unwrap();
+        let mut run = TrainingRun::start(config, &path, Registry::with_builtins(), &common::test_device()).unwrap();
+        let metrics = run.run_iteration().unwrap();
+        assert!(run.finished(), "{name}");
+        let line = serde_json::to_value(&metrics).unwrap();
+        assert!(line["loss"].as_f64().unwrap().is_finite(), "{name}: {line}");
+        assert_eq!(line["invalid_rate"].as_f64().unwrap(), 0.0, "{name}: choice mode is never invalid");
+        let summary = run.held_out_eval().unwrap();
+        assert!(summary.mean_steps >= 1.0, "{name}");
+        assert_eq!(summary.invalid_rate, 0.0, "{name}");
+    }
+}
