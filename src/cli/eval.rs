@@ -83,6 +83,6 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
         .with_context(|| format!("evaluating {}", dir.display()))?;
     let mut value = serde_json::to_value(&summary)?;
     value["adapters"] = serde_json::Value::String(dir.display().to_string());
-    println!("{}", serde_json::to_string_pretty(&value)?);
+    super::output::emit(serde_json::to_string_pretty(&value)?)?;
     Ok(())
 }

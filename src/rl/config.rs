@@ -493,7 +493,7 @@ impl TrainConfig {
     /// file cut off after `eval:` leaves it) are errors; a file that does not end with a
     /// newline, as a cut-off one does not, gets a warning.
     pub fn from_yaml_file(path: &Path, overrides: &[String], registry: &Registry) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| TroupeError::io(path, e))?;
+        let text = super::config_file::read_config(path)?;
         super::config_file::check_whole(&text, path)?;
         Self::from_yaml_str(&text, path, overrides, registry)
     }
@@ -518,6 +518,9 @@ impl TrainConfig {
         let schema = schema();
         for raw in overrides {
             apply_override(&mut tree, raw, &schema).map_err(|(key, message)| config_error(key, message))?;
+        }
+        if let Some((key, value)) = super::config_file::non_finite_number(&tree) {
+            return Err(config_error(key, format!("{value} is not a finite number")));
         }
         let config: TrainConfig = serde_path_to_error::deserialize(tree).map_err(|err| {
             let key = err.path().to_string();

@@ -18,6 +18,17 @@ pub const MAX_EPISODES: usize = 10_000_000;
 pub const MAX_AGENTS: usize = 4096;
 /// Most examples per format warm-up step.
 pub const MAX_WARMUP_BATCH: usize = 65_536;
+/// Most format warm-up steps.
+pub const MAX_WARMUP_STEPS: usize = 1_000_000;
+/// Most rows in one forward/backward pass, and most episodes played at once in evaluation.
+pub const MAX_BATCH_ROWS: usize = 65_536;
+/// Highest LoRA rank (the model's own dimensions bound it further, checked against the model).
+pub const MAX_LORA_RANK: usize = 65_536;
+/// Most steps in one episode, and most retries of an illegal reply.
+pub const MAX_STEPS: usize = 100_000_000;
+/// Highest learning rate (AdamW's steps are about `lr` in size: above 1 the adapters' weights,
+/// which start near 0.01, are overwritten by noise at the first step).
+pub const MAX_LR: f64 = 1.0;
 
 /// The first size in `config` beyond its bound, as (key, message).
 pub fn oversized(config: &TrainConfig) -> Option<(&'static str, String)> {
@@ -29,10 +40,23 @@ pub fn oversized(config: &TrainConfig) -> Option<(&'static str, String)> {
         ("action.max_new_tokens", config.action.max_new_tokens, MAX_NEW_TOKENS),
         ("eval.episodes", config.eval.episodes, MAX_EPISODES),
         ("agents.num_agents", config.agents.num_agents, MAX_AGENTS),
+        ("agents.seats", config.agents.seats.len(), MAX_AGENTS),
+        ("training.format_warmup_steps", t.format_warmup_steps, MAX_WARMUP_STEPS),
+        ("training.max_episode_steps", t.max_episode_steps, MAX_STEPS),
+        ("action.max_retries", config.action.max_retries, MAX_STEPS),
+        ("eval.every_episodes", config.eval.every_episodes, MAX_EPISODES),
+        ("runtime.micro_batch_rows", config.runtime.micro_batch_rows, MAX_BATCH_ROWS),
+        ("runtime.eval_batch_episodes", config.runtime.eval_batch_episodes, MAX_BATCH_ROWS),
+        ("adapter.r", config.adapter.r, MAX_LORA_RANK),
     ];
     for (key, value, limit) in checks {
         if value > limit {
             return Some((key, format!("{value} is too large (at most {limit})")));
+        }
+    }
+    for (key, value) in [("training.lr", t.lr), ("training.format_warmup_lr", t.format_warmup_lr)] {
+        if value.is_finite() && value > MAX_LR {
+            return Some((key, format!("{value} is too large (at most {MAX_LR})")));
         }
     }
     let episodes = t.group_size.saturating_mul(t.groups_per_iteration);

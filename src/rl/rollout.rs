@@ -350,14 +350,14 @@ pub fn run_episodes_with_baselines(
                 Some(Err(err)) => {
                     let sent =
                         actions.as_deref().unwrap_or_default().iter().map(ToString::to_string).collect::<Vec<_>>();
+                    // An illegal-action error names the action itself: not said twice.
+                    let what = match &err {
+                        ActionError::Illegal { .. } => "refused an action".to_string(),
+                        _ => format!("refused the joint action [{}]", sent.join(", ")),
+                    };
                     return Err(TroupeError::env_step(
                         envs[episode].name(),
-                        format!(
-                            "refused the joint action [{}] at step {} of the episode with seed {}: {err}",
-                            sent.join(", "),
-                            record.steps,
-                            record.seed
-                        ),
+                        format!("{what} at step {} of the episode with seed {}: {err}", record.steps, record.seed),
                     ));
                 }
                 None => {
