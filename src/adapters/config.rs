@@ -72,7 +72,7 @@ impl AdapterConfig {
         if !self.lora_alpha.is_finite() {
             return Err(bad("lora_alpha", "must be a finite number".into()));
         }
-        if !(self.scale().abs() <= MAX_SCALE) {
+        if !self.scale().is_finite() || self.scale().abs() > MAX_SCALE {
             return Err(bad(
                 "lora_alpha",
                 format!(

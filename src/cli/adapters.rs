@@ -157,11 +157,10 @@ pub fn run(command: AdaptersCommand, device: &burn::tensor::Device) -> Result<()
             Ok(())
         }
         AdaptersCommand::Merge(args) => {
-            let (adapter_dir, _) = split_adapter_spec(&args.adapter);
-            super::out_dir::check_out_dir(&args.out, args.force, &[&args.model, &adapter_dir])?;
+            let dir = resolve_adapter_dir(&args.adapter)?;
+            super::out_dir::check_out_dir(&args.out, args.force, &[args.model.as_path(), dir.as_path()])?;
             let model = Model::from_path(&args.model, device)
                 .with_context(|| format!("loading model {}", args.model.display()))?;
-            let dir = resolve_adapter_dir(&args.adapter)?;
             let adapter = read_adapter_dir(&dir, &model.lm.config, device)
                 .with_context(|| format!("loading adapter {}", dir.display()))?;
             merge_into_model_dir(&args.model, &adapter, &args.out, device)

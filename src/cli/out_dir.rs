@@ -60,7 +60,7 @@ mod tests {
         let err = check_out_dir(&out, false, &[]).unwrap_err().to_string();
         assert!(err.contains("is not empty (1 entry)") && err.contains("--force"), "{err}");
         check_out_dir(&out, true, &[]).expect("--force replaces");
-        let err = check_out_dir(&out, true, &[&out.join("keep.txt")]).unwrap_err().to_string();
+        let err = check_out_dir(&out, true, &[out.join("keep.txt").as_path()]).unwrap_err().to_string();
         assert!(err.contains("which this command reads"), "{err}");
         let err = check_out_dir(&out.join("keep.txt"), true, &[]).unwrap_err().to_string();
         assert!(err.contains("is a file, not a directory"), "{err}");

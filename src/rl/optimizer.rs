@@ -83,10 +83,9 @@ impl AgentOptimizers {
 /// The sum of the magnitudes of all of `adapter`'s weights: NaN or infinite when any weight is
 /// (one number read back from the device per step).
 fn weights_magnitude(adapter: &crate::adapters::LoraAdapter) -> f64 {
-    use burn::tensor::ElementConversion;
     let total =
         adapter.pairs.values().map(|pair| pair.a.clone().abs().sum() + pair.b.clone().abs().sum()).reduce(|x, y| x + y);
-    total.map_or(0.0, |t| t.into_scalar().elem::<f64>())
+    total.map_or(0.0, |t| f64::from(t.into_scalar::<f32>()))
 }
 
 /// The fraction of measured units whose importance ratio lay outside the clip range, when the
