@@ -69,13 +69,11 @@ pub fn apply_override(tree: &mut Yaml, raw: &str, schema: &Schema) -> std::resul
     check_against_schema(key, &segments, schema)?;
     // A whole section replaced by a value would silently drop the section's earlier overrides
     // and file keys (`--set run=`): a section takes a mapping.
-    if let Some(Yaml::Mapping(_)) = default_at(&schema.defaults, &segments) {
-        if !value.is_mapping() {
-            return Err((
-                key.to_string(),
-                format!("--set {key}: {key} is a section, not a value; set its keys ({key}.KEY=VALUE) or a mapping ({key}={{KEY: VALUE}})"),
-            ));
-        }
+    if matches!(default_at(&schema.defaults, &segments), Some(Yaml::Mapping(_))) && !value.is_mapping() {
+        return Err((
+            key.to_string(),
+            format!("--set {key}: {key} is a section, not a value; set its keys ({key}.KEY=VALUE) or a mapping ({key}={{KEY: VALUE}})"),
+        ));
     }
 
     let defaults = &schema.defaults;
