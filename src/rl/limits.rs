@@ -56,7 +56,7 @@ pub fn oversized(config: &TrainConfig) -> Option<(&'static str, String)> {
     }
     for (key, value) in [("training.lr", t.lr), ("training.format_warmup_lr", t.format_warmup_lr)] {
         if value.is_finite() && value > MAX_LR {
-            return Some((key, format!("{value} is too large (at most {MAX_LR})")));
+            return Some((key, format!("{value:e} is too large (at most {MAX_LR})")));
         }
     }
     let episodes = t.group_size.saturating_mul(t.groups_per_iteration);
