@@ -160,7 +160,7 @@ fn bad_configs_and_arguments_give_one_clear_line() {
         "--set",
         "training.lr=fast",
     ]));
-    assert!(line.contains("training.lr"), "{line}");
+    assert!(line.contains("training.optimizer.lr"), "the moved key is named by its new name: {line}");
     let line = error_line(&troupe(&["train", "--resume", tmp.path().join("missing").to_str().unwrap()]));
     assert!(line.contains("missing"), "{line}");
     let line = error_line(&troupe(&[
@@ -202,7 +202,7 @@ fn print_config_shows_every_default_and_trains_nothing() {
     assert_eq!(objective["kind"], "clipped");
     assert_eq!(objective["epochs_per_iteration"], 2);
     assert_eq!(objective["clip_low"], 0.2, "defaults are written out");
-    assert_eq!(printed["training"]["kl_estimator"], "k3");
+    assert_eq!(printed["training"]["kl"]["estimator"], "k3");
     assert_eq!(printed["runtime"]["micro_batch_rows"], 4, "the moved key is read in its new place");
     assert_eq!(printed["runtime"]["eval_batch_episodes"], 64);
     assert!(printed["training"].get("micro_batch_rows").is_none());

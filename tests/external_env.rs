@@ -468,8 +468,97 @@ fn an_environment_that_refuses_its_own_legal_action_stops_the_rollout_with_a_nam
     let mut rngs = episode_rngs(0, 0, 1);
     let err = run_episodes(&model, &manager, &mut envs, &[42], &[0], &config, &mut rngs).unwrap_err().to_string();
     assert!(
-        err.contains("toy: refused the joint action [action 0] at step 0 of the episode with seed 42")
-            && err.contains("the table is closed"),
+        err.contains(
+            "toy: refused an action at step 0 of the episode with seed 42: illegal action \"go\" (action 0): the table is closed"
+        ),
         "{err}"
     );
+    assert_eq!(err.matches("action 0").count(), 1, "the action is named once: {err}");
+}
+
+/// An external environment `sh -c SCRIPT` with extra parameters.
+fn scripted_with(script: &str, extra: Value) -> Result<Box<dyn Environment>, String> {
+    let mut params = json!({"command": ["sh", "-c", script], "timeout_s": 5.0});
+    params.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    Registry::with_builtins().make("external", &params).map_err(|e| e.to_string())
+}
+
+#[test]
+fn oversized_unreadable_and_impossible_answers_are_refused_by_name() {
+    let err = scripted_with(r#"read l; echo '{"id":0,"result":{"name":"toy","num_seats":1000000000000}}'"#, json!({}))
+        .err()
+        .unwrap();
+    assert!(err.contains("num_seats 1000000000000 (1 to 4096)"), "{err}");
+
+    // A line beyond `max_line_bytes` stops the exchange before the rest of it is read.
+    let script = r#"read l; head -c 100000 /dev/zero | tr '\0' 'x'; echo"#;
+    let err = scripted_with(script, json!({"max_line_bytes": 1000})).err().unwrap();
+    assert!(err.contains("longer than 1000 bytes (`max_line_bytes`)") && err.contains("`init`"), "{err}");
+    let err = Registry::with_builtins()
+        .make("external", &json!({"command": ["sh"], "max_line_bytes": 0}))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("max_line_bytes"), "{err}");
+
+    let err = scripted_with(r#"read l; printf '{"id":0,\377}\n'"#, json!({})).err().unwrap();
+    assert!(err.contains("not UTF-8") && !err.contains("stdout closed"), "{err}");
+}
+
+/// Whether process `pid` is gone (or a zombie).
+fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+fn wait_gone(pid: u32) -> bool {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(5) {
+        if gone(pid) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+#[test]
+fn what_an_environment_starts_in_its_group_ends_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("helper.pid");
+    let script = format!(
+        r#"sleep 1000 & echo $! > {}; {HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE}]}}}}'; read l; sleep 1000"#,
+        pid_file.display()
+    );
+    let helper =
+        |pid_file: &std::path::Path| -> u32 { std::fs::read_to_string(pid_file).unwrap().trim().parse().unwrap() };
+
+    // A normal end: the registry (and its process) dropped.
+    let env = scripted_with(&script, json!({})).unwrap();
+    let pid = helper(&pid_file);
+    assert!(!gone(pid));
+    drop(env);
+    assert!(wait_gone(pid), "the helper outlived its environment's end");
+
+    // A kill over a timeout.
+    std::fs::remove_file(&pid_file).unwrap();
+    let mut env = scripted_with(&script, json!({"timeout_s": 0.5})).unwrap();
+    let pid = helper(&pid_file);
+    reset_all(std::slice::from_mut(&mut env), &[1]).unwrap();
+    let err = env.step(&[Action::Id(0)]).unwrap_err().to_string();
+    assert!(err.contains("no answer to `step`"), "{err}");
+    assert!(wait_gone(pid), "the helper outlived a timeout kill");
+}
+
+#[test]
+fn an_illegal_action_is_named_by_its_text() {
+    let refusing = format!(
+        r#"{HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE}]}}}}'; read l; echo '{{"id":2,"result":{{"results":[{{"error":"the deck is empty"}}]}}}}'; sleep 5"#
+    );
+    let mut env = scripted_with(&refusing, json!({})).unwrap();
+    env.reset(1);
+    let err = env.step(&[Action::Id(0)]).unwrap_err().to_string();
+    assert!(err.contains("\"go\" (action 0)") && err.contains("the deck is empty"), "{err}");
 }

@@ -42,7 +42,7 @@ fn missing_config_and_fields_are_named() {
         c.as_object_mut().unwrap().remove("num_hidden_layers");
     });
     let err = load_error(&dir);
-    assert!(err.contains("config.json") && err.contains("`num_hidden_layers`: missing"), "{err}");
+    assert!(err.contains("config.json") && err.contains("num_hidden_layers: missing"), "{err}");
 
     edit_config(&dir, |c| c["num_hidden_layers"] = serde_json::json!("two"));
     let err = load_error(&dir);

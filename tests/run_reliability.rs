@@ -130,9 +130,9 @@ fn a_run_cut_off_in_its_first_checkpoint_resumes_with_one_command() {
     // Editing config.yaml: the run's length is honoured, anything else refused by name.
     let config_yaml = run.join("config.yaml");
     let original = std::fs::read_to_string(&config_yaml).expect("read");
-    std::fs::write(&config_yaml, original.replace("\n  lr: 0.01\n", "\n  lr: 0.5\n")).expect("edit");
+    std::fs::write(&config_yaml, original.replace("\n    lr: 0.01\n", "\n    lr: 0.5\n")).expect("edit");
     let line = error_line(&troupe(&["train", "--resume", run.to_str().expect("utf-8")]));
-    assert!(line.contains("training.lr (0.01 -> 0.5)"), "{line}");
+    assert!(line.contains("training.optimizer.lr (0.01 -> 0.5)"), "{line}");
     std::fs::write(&config_yaml, original.replace("\n  iterations: 2\n", "\n  iterations: 3\n")).expect("edit");
     let summary = succeeds(&troupe(&["train", "--resume", run.to_str().expect("utf-8"), "--quiet"]));
     assert_eq!(summary["iterations"], 3);

@@ -227,10 +227,23 @@ impl Registry {
 /// Parameter structs should use `#[serde(deny_unknown_fields, default)]`.
 pub fn parse_params<T: DeserializeOwned>(env: &str, params: &Value) -> Result<T, EnvError> {
     let value = if params.is_null() { Value::Object(Default::default()) } else { params.clone() };
-    serde_json::from_value(value).map_err(|err| {
-        let message = err.to_string();
-        // serde names the offending field in backticks: "unknown field `foo`, expected ...".
-        let field = message.split('`').nth(1).unwrap_or("params").to_string();
+    serde_path_to_error::deserialize(value).map_err(|err| {
+        let path = err.path().to_string();
+        let message = err.into_inner().to_string();
+        // The path names the field whose value is wrong; an unknown field is named by serde
+        // in backticks ("unknown field `foo`, expected ..."), at the path of its parent.
+        let field = if message.starts_with("unknown field") {
+            let name = message.split('`').nth(1).unwrap_or("params");
+            if path == "." {
+                name.to_string()
+            } else {
+                format!("{path}.{name}")
+            }
+        } else if path == "." {
+            "params".to_string()
+        } else {
+            path
+        };
         EnvError::BadParam { env: env.to_string(), field, message }
     })
 }

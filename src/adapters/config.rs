@@ -8,6 +8,10 @@ use serde_json::Value;
 use crate::error::{Result, TroupeError};
 use crate::model::Projection;
 
+/// Largest LoRA scale (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) in magnitude: PEFT's usual
+/// scales are 0.5 to 4; far beyond them the update overflows or drowns the base.
+pub const MAX_SCALE: f64 = 1.0e4;
+
 crate::section::config_section! {
     /// The LoRA hyper-parameters of one adapter (PEFT's `LoraConfig` fields troupe uses); a
     /// run's `adapter:` section, every agent's adapter.
@@ -58,6 +62,17 @@ impl AdapterConfig {
         }
         if !self.lora_alpha.is_finite() {
             return Err(bad("lora_alpha", "must be a finite number".into()));
+        }
+        if !self.scale().is_finite() || self.scale().abs() > MAX_SCALE {
+            return Err(bad(
+                "lora_alpha",
+                format!(
+                    "{} with r {} gives a scale of {:e}, beyond the largest allowed ({MAX_SCALE:e})",
+                    self.lora_alpha,
+                    self.r,
+                    self.scale()
+                ),
+            ));
         }
         Ok(())
     }
@@ -128,15 +143,27 @@ impl AdapterConfig {
         }
         let r =
             field("r").and_then(Value::as_u64).ok_or_else(|| bad("r", "missing or not a positive integer"))? as usize;
+        // A field that is present must have its type: PEFT's defaults stand only for absent ones.
+        let typed = |name: &str, kind: &str, read: fn(&Value) -> Option<Value>| -> Result<Option<Value>> {
+            match json.get(name) {
+                None => Ok(None),
+                Some(value) => read(value).map(Some).ok_or_else(|| bad(name, &format!("{value} is not {kind}"))),
+            }
+        };
+        let number = |v: &Value| v.as_f64().map(Value::from);
+        let boolean = |v: &Value| v.as_bool().map(Value::from);
+        let lora_alpha = typed("lora_alpha", "a number", number)?.and_then(|v| v.as_f64()).unwrap_or(8.0);
+        let lora_dropout = typed("lora_dropout", "a number", number)?.and_then(|v| v.as_f64()).unwrap_or(0.0);
+        let use_rslora = typed("use_rslora", "true or false", boolean)?.and_then(|v| v.as_bool()).unwrap_or(false);
         let config = Self {
             r,
-            lora_alpha: field("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0),
+            lora_alpha,
             target_modules: Self::parse_targets(
                 field("target_modules").ok_or_else(|| bad("target_modules", "missing"))?,
                 path,
             )?,
-            lora_dropout: field("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
-            use_rslora: field("use_rslora").and_then(Value::as_bool).unwrap_or(false),
+            lora_dropout,
+            use_rslora,
             base_model_name_or_path: field("base_model_name_or_path").and_then(Value::as_str).map(str::to_string),
         };
         config.validate(path)?;

@@ -72,6 +72,9 @@ pub fn read_adapter_dir(dir: &Path, base: &ModelConfig, device: &Device) -> Resu
     let store = TensorStore::open_files(std::slice::from_ref(&weights_path), weights_path.clone())?;
     let tensors =
         store.names().into_iter().map(|n| store.read(&n, None).map(|t| (n, t))).collect::<Result<BTreeMap<_, _>>>()?;
+    for (name, tensor) in &tensors {
+        tensor.check_finite(&weights_path, name)?;
+    }
     LoraAdapter::from_host(config, &tensors, base, &weights_path, device)
 }
 

@@ -34,9 +34,13 @@ pub struct MergeArgs {
     /// The adapter: DIR:NAME (one adapter of a directory of adapters) or an adapter's DIR.
     #[arg(long)]
     pub adapter: String,
-    /// Where to write the merged model directory.
+    /// Where to write the merged model directory: a new or empty directory (one that is not
+    /// empty is refused unless `--force` is given).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace the contents of a non-empty `--out` directory.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// Splits `DIR[:NAME]` (a trailing `:NAME` without a path separator names the adapter).
@@ -149,18 +153,19 @@ pub fn run(command: AdaptersCommand, device: &burn::tensor::Device) -> Result<()
                 }
                 names.iter().map(|n| describe(&dir.join(n), n)).collect::<Result<_>>()?
             };
-            println!("{}", json!({"dir": dir, "manifest": manifest, "adapters": adapters}));
+            super::output::emit(json!({"dir": dir, "manifest": manifest, "adapters": adapters}))?;
             Ok(())
         }
         AdaptersCommand::Merge(args) => {
+            let dir = resolve_adapter_dir(&args.adapter)?;
+            super::out_dir::check_out_dir(&args.out, args.force, &[args.model.as_path(), dir.as_path()])?;
             let model = Model::from_path(&args.model, device)
                 .with_context(|| format!("loading model {}", args.model.display()))?;
-            let dir = resolve_adapter_dir(&args.adapter)?;
             let adapter = read_adapter_dir(&dir, &model.lm.config, device)
                 .with_context(|| format!("loading adapter {}", dir.display()))?;
             merge_into_model_dir(&args.model, &adapter, &args.out, device)
                 .with_context(|| format!("writing the merged model to {}", args.out.display()))?;
-            println!("{}", json!({"out": args.out, "adapter": dir, "merged_sites": adapter.pairs.len()}));
+            super::output::emit(json!({"out": args.out, "adapter": dir, "merged_sites": adapter.pairs.len()}))?;
             Ok(())
         }
     }

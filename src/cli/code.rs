@@ -72,7 +72,7 @@ pub fn run(command: CodeCommand) -> anyhow::Result<()> {
             let summary =
                 check::check(&sandbox, &problem_set, solution_set.as_deref(), assert_timeout_ms as f64 / 1000.0)?;
             eprintln!("{}", summary.summary);
-            println!("{}", serde_json::to_string_pretty(&summary)?);
+            super::output::emit(serde_json::to_string_pretty(&summary)?)?;
             if summary.failed > 0 {
                 anyhow::bail!("{} of {} evaluations failed", summary.failed, summary.evaluations);
             }

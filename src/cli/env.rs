@@ -77,9 +77,12 @@ pub enum EnvCommand {
         /// Environment parameter, KEY=VALUE with a YAML/JSON scalar value (repeatable).
         #[arg(long = "set", value_name = "KEY=VALUE")]
         set: Vec<String>,
-        /// Output JSONL file (written atomically).
+        /// Output JSONL file (written atomically; an existing file is refused unless `--force`).
         #[arg(long)]
         out: PathBuf,
+        /// Replace an existing `--out` file.
+        #[arg(long)]
+        force: bool,
     },
     /// Replay JSONL game records, checking every legal list, counter and final score; prints
     /// `N passed, M failed` and exits non-zero on any mismatch.
@@ -102,6 +105,9 @@ pub fn parse_sets(sets: &[String]) -> anyhow::Result<Value> {
         }
         let yaml: serde_yaml::Value =
             serde_yaml::from_str(raw).with_context(|| format!("--set {key}: cannot read {raw:?} as a YAML value"))?;
+        if let Some((_, value)) = crate::rl::config::file::non_finite_number(&yaml) {
+            bail!("--set {key}: {value} is not a finite number");
+        }
         let value = serde_json::to_value(yaml).with_context(|| format!("--set {key}: {raw:?} has no JSON form"))?;
         params.insert(key.to_string(), value);
     }
@@ -113,13 +119,13 @@ pub fn run(command: EnvCommand, registry: &Registry) -> anyhow::Result<()> {
     match command {
         EnvCommand::List => {
             for (name, description) in registry.list() {
-                println!("{name}\t{description}");
+                super::output::emit(format_args!("{name}\t{description}"))?;
             }
             for (name, description) in registry.policies() {
-                println!("policy {name}\t{description}");
+                super::output::emit(format_args!("policy {name}\t{description}"))?;
             }
             for (name, description) in registry.rewards() {
-                println!("reward {name}\t{description}");
+                super::output::emit(format_args!("reward {name}\t{description}"))?;
             }
             Ok(())
         }
@@ -149,11 +155,17 @@ pub fn run(command: EnvCommand, registry: &Registry) -> anyhow::Result<()> {
             let mut policy = registry.make_policy(&policy)?;
             tracing::info!(env = %name, episodes, seed, policy = policy.name(), "benchmarking");
             let report = runner::bench(env.as_mut(), policy.as_mut(), episodes, seed)?;
-            println!("{}", serde_json::to_string_pretty(&report)?);
+            super::output::emit(serde_json::to_string_pretty(&report)?)?;
             Ok(())
         }
-        EnvCommand::Record { name, episodes, seed, policy, set, out } => {
+        EnvCommand::Record { name, episodes, seed, policy, set, out, force } => {
             check_episodes(episodes)?;
+            if out.is_dir() {
+                bail!("--out {} is a directory; give a file name", out.display());
+            }
+            if !force && std::fs::symlink_metadata(&out).is_ok() {
+                bail!("--out {} already exists; give a new file name, or --force to replace it", out.display());
+            }
             let mut policy = registry.make_policy(&policy)?;
             let lines = records::record_episodes(registry, &name, &parse_sets(&set)?, episodes, seed, policy.as_mut())?;
             let tmp = out.with_extension("jsonl.tmp");
@@ -177,7 +189,7 @@ pub fn run(command: EnvCommand, registry: &Registry) -> anyhow::Result<()> {
             for failure in &report.failures {
                 eprintln!("FAILED {failure}");
             }
-            println!("{} passed, {} failed", report.passed, report.failed);
+            super::output::emit(format_args!("{} passed, {} failed", report.passed, report.failed))?;
             if report.failed > 0 {
                 bail!("{} of {} records did not replay", report.failed, report.passed + report.failed);
             }

@@ -124,6 +124,6 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
         evaluate(&model, &manager, &config, episodes, registry).with_context(|| format!("evaluating {what}"))?;
     let mut value = serde_json::to_value(&summary)?;
     value["adapters"] = dir.map_or(serde_json::Value::Null, |d| serde_json::Value::String(d.display().to_string()));
-    println!("{}", serde_json::to_string_pretty(&value)?);
+    super::output::emit(serde_json::to_string_pretty(&value)?)?;
     Ok(())
 }

@@ -7,6 +7,8 @@ pub mod code;
 pub mod env;
 pub mod eval;
 pub mod model;
+pub mod out_dir;
+pub mod output;
 pub mod plot;
 pub mod train;
 
@@ -98,6 +100,7 @@ pub fn main_with(registry: Registry) -> std::process::ExitCode {
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) if output::is_stdout_closed(&err) => output::exit_for_closed_stdout(),
         Err(err) => {
             eprintln!("error: {err:#}");
             std::process::ExitCode::FAILURE

@@ -15,9 +15,13 @@ use crate::model::{builtin, ChatMessage, LoadOptions, Model, Preset, ProjectionD
 /// `troupe init-model`: write the built-in model as a Hugging Face directory.
 #[derive(Debug, Args)]
 pub struct InitModelArgs {
-    /// Directory to write (created if missing).
+    /// Directory to write (created if missing; one that is not empty is refused unless
+    /// `--force` is given).
     #[arg(long)]
     pub out: PathBuf,
+    /// Replace the contents of a non-empty `--out` directory.
+    #[arg(long)]
+    pub force: bool,
     /// Model size.
     #[arg(long, value_enum, default_value = "tiny")]
     pub preset: Preset,
@@ -97,7 +101,7 @@ pub fn run_model(command: ModelCommand) -> Result<()> {
         ModelCommand::Inspect { path } => {
             let description =
                 crate::model::inspect::describe(&path).with_context(|| format!("inspecting {}", path.display()))?;
-            println!("{description}");
+            super::output::emit(format_args!("{description}"))?;
             Ok(())
         }
     }
@@ -105,13 +109,13 @@ pub fn run_model(command: ModelCommand) -> Result<()> {
 
 /// Runs `troupe init-model`.
 pub fn init_model(args: InitModelArgs) -> Result<()> {
+    super::out_dir::check_out_dir(&args.out, args.force, &[])?;
     builtin::write_model_dir(&args.out, args.preset, args.seed)
         .with_context(|| format!("writing the built-in model to {}", args.out.display()))?;
     let parameters = args.preset.config().num_parameters();
-    println!(
-        "{}",
-        json!({"out": args.out, "preset": format!("{:?}", args.preset).to_lowercase(), "seed": args.seed, "parameters": parameters})
-    );
+    super::output::emit(
+        json!({"out": args.out, "preset": format!("{:?}", args.preset).to_lowercase(), "seed": args.seed, "parameters": parameters}),
+    )?;
     Ok(())
 }
 
@@ -127,6 +131,14 @@ fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device, quantize
 pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()> {
     let model = load(args.model.as_deref(), device, args.quantized)?;
     let input_ids = model.tokenizer.encode(&args.text)?;
+    // Before the model runs: attention's memory grows with the square of the token count.
+    let context = model.lm.config.max_position_embeddings;
+    if input_ids.len() > context {
+        anyhow::bail!(
+            "--text: {} tokens exceed the model's context of {context} tokens (max_position_embeddings)",
+            input_ids.len()
+        );
+    }
     let delta = adapter_delta(args.adapter.as_deref(), &model, 1)?;
     let delta = delta.as_ref().map(|d| d as &dyn ProjectionDelta);
     let logprobs = if input_ids.len() >= 2 {
@@ -148,7 +160,7 @@ pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()>
             input_ids.len()
         );
     }
-    println!("{}", json!({"input_ids": input_ids, "logprobs": logprobs}));
+    super::output::emit(json!({"input_ids": input_ids, "logprobs": logprobs}))?;
     Ok(())
 }
 
@@ -197,15 +209,12 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
         .remove(0);
     let seconds = start.elapsed().as_secs_f64();
     let text = model.tokenizer.decode(&out.output_ids, true)?;
-    println!(
-        "{}",
-        json!({
-            "prompt_ids": prompt_ids,
-            "output_ids": out.output_ids,
-            "text": text,
-            "finished_by_eos": out.finished_by_eos,
-            "tokens_per_second": out.output_ids.len() as f64 / seconds.max(1e-9),
-        })
-    );
+    super::output::emit(json!({
+        "prompt_ids": prompt_ids,
+        "output_ids": out.output_ids,
+        "text": text,
+        "finished_by_eos": out.finished_by_eos,
+        "tokens_per_second": out.output_ids.len() as f64 / seconds.max(1e-9),
+    }))?;
     Ok(())
 }

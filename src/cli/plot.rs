@@ -18,6 +18,6 @@ pub struct PlotArgs {
 pub fn run(args: PlotArgs) -> anyhow::Result<()> {
     let written = crate::rl::run::plot::plot_run(&args.run_dir)
         .with_context(|| format!("plotting run {}", args.run_dir.display()))?;
-    println!("{}", json!({ "plots": written }));
+    super::output::emit(json!({ "plots": written }))?;
     Ok(())
 }

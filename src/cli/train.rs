@@ -119,6 +119,13 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
                     TroupeError::Run(RunError::NonFinite { message }) => {
                         anyhow::anyhow!("training stopped: {message}; {hint}")
                     }
+                    // A resume meets the same environment or reward process: it must be fixed first.
+                    other @ TroupeError::Environment(_) => anyhow::Error::new(other).context(format!(
+                        "training stopped; the last good checkpoint is {} (iteration {iteration}); fix what failed \
+                             (it would stop a resume too), then continue with `troupe train --resume {}`",
+                        dir.display(),
+                        run.run_dir.display()
+                    )),
                     other => anyhow::Error::new(other).context(format!("training stopped; {hint}")),
                 });
             }
@@ -155,12 +162,9 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
     if args.profile {
         eprint!("{}", profile_table(&profiled));
     }
-    let plots = match crate::rl::run::plot::plot_run(&run.run_dir) {
-        Ok(paths) => paths,
-        Err(err) => {
-            tracing::warn!("no plots: {err}");
-            Vec::new()
-        }
+    let (plots, plot_error) = match crate::rl::run::plot::plot_run(&run.run_dir) {
+        Ok(paths) => (paths, None),
+        Err(err) => (Vec::new(), Some(err)),
     };
     let summary = json!({
         "run_dir": run.run_dir,
@@ -169,7 +173,15 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
         "last": last,
         "plots": plots,
     });
-    println!("{}", serde_json::to_string_pretty(&summary)?);
+    super::output::emit(serde_json::to_string_pretty(&summary)?)?;
+    if let Some(err) = plot_error {
+        anyhow::bail!(
+            "training finished (last checkpoint {}), but its plots could not be drawn: {err}; draw them with \
+             `troupe plot {}`",
+            run.last_checkpoint.1.display(),
+            run.run_dir.display()
+        );
+    }
     Ok(())
 }
 

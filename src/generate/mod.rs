@@ -502,6 +502,14 @@ fn reply_logprobs(
 
 /// [`next_token_logprobs`] read back to the host, each row cut to its real length minus one.
 pub fn score_rows(lm: &CausalLm, rows: &[Vec<u32>], delta: Option<&dyn ProjectionDelta>) -> Result<Vec<Vec<f32>>> {
+    // Before the batch's masks are built: their size grows with the square of the longest row.
+    let context = lm.config.max_position_embeddings;
+    if let Some(longest) = rows.iter().map(Vec::len).max().filter(|&len| len > context) {
+        return Err(crate::error::TroupeError::invalid(
+            "tokens",
+            format!("sequence of {longest} tokens exceeds max_position_embeddings {context}"),
+        ));
+    }
     let batch = ScoringBatch::new(lm, rows)?;
     let logprobs = next_token_logprobs(lm, &batch, delta)?;
     let [_, width] = logprobs.dims();

@@ -38,6 +38,22 @@ pub struct HostTensor {
 }
 
 impl HostTensor {
+    /// Refuses a tensor holding a NaN or an infinity: `name` in file `path`, with the first
+    /// such value's index (weights that are not finite give NaN log-probabilities and updates).
+    pub fn check_finite(&self, path: &Path, name: &str) -> Result<()> {
+        match self.values.iter().position(|value| !value.is_finite()) {
+            None => Ok(()),
+            Some(index) => Err(TroupeError::Model(crate::error::ModelError::Safetensors {
+                path: path.to_path_buf(),
+                message: format!(
+                    "tensor `{name}` holds a non-finite value ({} at index {index} of {})",
+                    self.values[index],
+                    self.values.len()
+                ),
+            })),
+        }
+    }
+
     /// Uploads to `device` as a rank-`D` tensor.
     ///
     /// # Panics

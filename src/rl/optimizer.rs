@@ -1,6 +1,7 @@
 //! The optimizer phase: per adapter, the gradient norm checked and clipped, then one AdamW step
 //! ([`crate::adapters::optim`]). An adapter that got no gradient is not touched, moments
-//! included; a non-finite gradient anywhere stops the step before any adapter moves.
+//! included; a non-finite gradient anywhere, or a step whose new weights are not finite, stops
+//! the step before any adapter moves.
 
 use std::collections::BTreeMap;
 
@@ -45,6 +46,7 @@ impl AgentOptimizers {
             }
             grad_norm.insert(name.clone(), norm);
         }
+        let mut stepped = Vec::with_capacity(grads.len());
         for (name, g) in grads {
             let norm = grad_norm[&name];
             let g = if self.max_grad_norm > 0.0 && norm > self.max_grad_norm {
@@ -57,12 +59,31 @@ impl AgentOptimizers {
                 .into_iter()
                 .find(|a| manager.adapter_name(*a).map(|n| n == name).unwrap_or(false))
                 .ok_or_else(|| TroupeError::Model(ModelError::UnknownAdapter { name: name.clone() }))?;
-            let state = self.states.entry(name).or_default();
-            let updated = self.adamw.step(manager.adapter(agent)?, &g, state, lr);
+            let mut state = self.states.get(&name).cloned().unwrap_or_default();
+            let updated = self.adamw.step(manager.adapter(agent)?, &g, &mut state, lr);
+            let magnitude = weights_magnitude(&updated);
+            if !magnitude.is_finite() {
+                return Err(TroupeError::non_finite(format!(
+                    "adapter {name}'s weights after the step at learning rate {lr:e} are not finite \
+                     (sum of magnitudes {magnitude}); stopped before any adapter moved"
+                )));
+            }
+            stepped.push((agent, name, updated, state));
+        }
+        for (agent, name, updated, state) in stepped {
             manager.set_adapter(agent, updated)?;
+            self.states.insert(name, state);
         }
         Ok(grad_norm)
     }
+}
+
+/// The sum of the magnitudes of all of `adapter`'s weights: NaN or infinite when any weight is
+/// (one number read back from the device per step).
+fn weights_magnitude(adapter: &crate::adapters::LoraAdapter) -> f64 {
+    let total =
+        adapter.pairs.values().map(|pair| pair.a.clone().abs().sum() + pair.b.clone().abs().sum()).reduce(|x, y| x + y);
+    total.map_or(0.0, |t| f64::from(t.into_scalar::<f32>()))
 }
 
 /// The fraction of measured units whose importance ratio lay outside the clip range, when the

@@ -47,7 +47,17 @@ pub struct ExternalParams {
     /// The longest wait for one answer, in seconds.
     #[serde(default = "default_timeout_s")]
     pub timeout_s: f64,
+    /// The longest answer line read from the process, in bytes (a longer one stops the run).
+    #[serde(default = "default_max_line_bytes")]
+    pub max_line_bytes: usize,
 }
+
+fn default_max_line_bytes() -> usize {
+    process::DEFAULT_MAX_LINE_BYTES
+}
+
+/// Most seats an environment may declare in `init` (every state carries one entry per seat).
+pub const MAX_SEATS: usize = 4096;
 
 fn default_timeout_s() -> f64 {
     30.0
@@ -67,6 +77,9 @@ impl ExternalParams {
         }
         if !(parsed.timeout_s.is_finite() && parsed.timeout_s > 0.0) {
             return Err(bad("timeout_s", &format!("{} is not a positive number of seconds", parsed.timeout_s)));
+        }
+        if parsed.max_line_bytes == 0 {
+            return Err(bad("max_line_bytes", "must be at least 1"));
         }
         if !(parsed.params.is_null() || parsed.params.is_object()) {
             return Err(bad("params", "must be a mapping"));
@@ -151,7 +164,7 @@ impl Backend {
     fn start(params: &ExternalParams) -> Result<Self, EnvError> {
         let command = params.command_line();
         let timeout = Duration::from_secs_f64(params.timeout_s);
-        let process = Process::start(&params.command, timeout)
+        let process = Process::start_with_line_limit(&params.command, timeout, params.max_line_bytes)
             .map_err(|message| EnvError::External { command: command.clone(), message })?;
         Self::connect(command, Box::new(process), &params.params)
     }
@@ -167,8 +180,8 @@ impl Backend {
         let result = process.call("init", fields).map_err(|err| fail(call_message("init", err)))?;
         let hello: WireHello = serde_json::from_value(result.clone())
             .map_err(|err| fail(format!("answered `init` with {result}: {err}")))?;
-        if hello.num_seats == 0 {
-            return Err(fail("answered `init` with num_seats 0".to_string()));
+        if hello.num_seats == 0 || hello.num_seats > MAX_SEATS {
+            return Err(fail(format!("answered `init` with num_seats {} (1 to {MAX_SEATS})", hello.num_seats)));
         }
         Ok(Self {
             command,
@@ -353,8 +366,26 @@ impl ExternalEnv {
         Ok(())
     }
 
-    fn describe(actions: &[Action]) -> String {
-        actions.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+    /// The joint action as the plug-in author reads it: each action by its listed text
+    /// (`"play card 1" (action 3)`), or as it was given when the state lists no text for it.
+    fn describe(&self, actions: &[Action]) -> String {
+        let view = self.view.borrow();
+        actions
+            .iter()
+            .enumerate()
+            .map(|(i, action)| {
+                let seat = view.state.acting_seats.get(i).copied();
+                let listed = match (action, seat.and_then(|s| view.state.legal_actions.get(s))) {
+                    (Action::Id(id), Some(Some(legal))) => legal.iter().find(|a| a.id == *id),
+                    _ => None,
+                };
+                match listed {
+                    Some(legal) => format!("{:?} ({action})", legal.text),
+                    None => action.to_string(),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 
@@ -483,7 +514,7 @@ pub(crate) fn step_external(envs: &[(&ExternalEnv, &[Action])]) -> Vec<Result<Ve
                             env.view.borrow_mut().state = state;
                             Ok(rewards)
                         }
-                        Err(reason) => Err(ActionError::Illegal { action: ExternalEnv::describe(actions), reason }),
+                        Err(reason) => Err(ActionError::Illegal { action: env.describe(actions), reason }),
                     });
                 }
             }

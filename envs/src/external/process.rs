@@ -3,7 +3,7 @@
 //! the process killed when troupe is done with it (or dies).
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
@@ -16,6 +16,19 @@ use serde_json::{Map, Value};
 const STDERR_TAIL_LINES: usize = 20;
 /// The longest answer line shown in an error message, in characters.
 const SHOWN_CHARS: usize = 300;
+/// The longest answer line read by default, in bytes (`max_line_bytes`): a line is held whole
+/// in memory, and parsing it takes several times its size.
+pub const DEFAULT_MAX_LINE_BYTES: usize = 16 << 20;
+
+/// What the reader of the process's stdout hands on.
+enum Answer {
+    /// One line, newline included.
+    Line(String),
+    /// Stdout closed (or could not be read).
+    Closed,
+    /// A line that cannot be an answer (too long, not UTF-8): the process is broken.
+    Bad(String),
+}
 
 /// A running environment process. Once an exchange fails (the process exited, hung, or broke
 /// the protocol) the process is killed and every later call fails with the same message: a run
@@ -23,7 +36,7 @@ const SHOWN_CHARS: usize = 300;
 pub struct Process {
     child: Child,
     requests: Option<Sender<String>>,
-    answers: Receiver<Option<String>>,
+    answers: Receiver<Answer>,
     stderr_tail: Arc<Mutex<VecDeque<String>>>,
     next_id: u64,
     timeout: Duration,
@@ -31,23 +44,48 @@ pub struct Process {
 }
 
 impl Process {
-    /// Starts `command` (argv) with piped stdin, stdout and stderr. On Linux the process is
-    /// killed if the thread that started it exits (`PR_SET_PDEATHSIG`), so it never outlives a
-    /// troupe that was killed.
+    /// Starts `command` (argv) with piped stdin, stdout and stderr, in a process group of its
+    /// own which troupe ends whole (see [`Process::kill_group`]). On Linux the process is
+    /// killed if the thread that started it exits (`PR_SET_PDEATHSIG`), and a watchdog in its
+    /// group kills the group once the process is gone, so neither the process nor anything
+    /// it started in its group outlives a troupe that was killed.
     pub fn start(command: &[String], timeout: Duration) -> Result<Self, String> {
+        Self::start_with_line_limit(command, timeout, DEFAULT_MAX_LINE_BYTES)
+    }
+
+    /// [`Process::start`] reading answer lines of at most `max_line_bytes` bytes: a longer one
+    /// breaks the process with an error naming the limit, before more of it is read.
+    pub fn start_with_line_limit(command: &[String], timeout: Duration, max_line_bytes: usize) -> Result<Self, String> {
         let (program, args) = command.split_first().ok_or_else(|| "`command` is empty".to_string())?;
         let mut builder = Command::new(program);
         builder.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        #[cfg(target_os = "linux")]
+        #[cfg(unix)]
         {
             use std::os::unix::process::CommandExt;
-            // SAFETY: prctl with integer arguments is async-signal-safe.
+            // SAFETY: between fork and exec only async-signal-safe calls are made (getppid,
+            // setpgid, prctl, fork; the watchdog uses close, nanosleep, kill and _exit).
             unsafe {
                 builder.pre_exec(|| {
-                    if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                    let parent = libc::getppid();
+                    if libc::setpgid(0, 0) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
-                    Ok(())
+                    #[cfg(target_os = "linux")]
+                    {
+                        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        if libc::getppid() != parent {
+                            // troupe died before the death signal was armed.
+                            libc::_exit(1);
+                        }
+                    }
+                    let leader = libc::getpid();
+                    match libc::fork() {
+                        -1 => Err(std::io::Error::last_os_error()),
+                        0 => watch_group(leader),
+                        _ => Ok(()),
+                    }
                 });
             }
         }
@@ -68,21 +106,30 @@ impl Process {
                 }
             }
         });
-        let (answer_tx, answer_rx) = mpsc::channel::<Option<String>>();
+        let (answer_tx, answer_rx) = mpsc::channel::<Answer>();
         thread::spawn(move || {
             let mut reader = BufReader::new(stdout);
+            let limit = max_line_bytes as u64;
             loop {
-                let mut line = String::new();
-                match reader.read_line(&mut line) {
-                    Ok(0) | Err(_) => {
-                        let _ = answer_tx.send(None);
-                        break;
-                    }
-                    Ok(_) => {
-                        if answer_tx.send(Some(line)).is_err() {
-                            break;
-                        }
-                    }
+                let mut bytes = Vec::new();
+                let answer = match (&mut reader).take(limit.saturating_add(1)).read_until(b'\n', &mut bytes) {
+                    Ok(0) | Err(_) => Answer::Closed,
+                    Ok(read) if read as u64 > limit && bytes.last() != Some(&b'\n') => Answer::Bad(format!(
+                        "printed a line longer than {max_line_bytes} bytes (`max_line_bytes`); \
+                         raise max_line_bytes if such answers are intended"
+                    )),
+                    Ok(_) => match String::from_utf8(bytes) {
+                        Ok(line) => Answer::Line(line),
+                        Err(err) => Answer::Bad(format!(
+                            "printed a line that is not UTF-8 text (invalid byte at offset {}): {}",
+                            err.utf8_error().valid_up_to(),
+                            shorten(&String::from_utf8_lossy(err.as_bytes()))
+                        )),
+                    },
+                };
+                let last = !matches!(answer, Answer::Line(_));
+                if answer_tx.send(answer).is_err() || last {
+                    break;
                 }
             }
         });
@@ -125,8 +172,11 @@ impl Process {
             return Err(self.break_with(format!("could not send `{method}`: the process's stdin is closed")));
         }
         let answer = match self.answers.recv_timeout(self.timeout) {
-            Ok(Some(answer)) => answer,
-            Ok(None) | Err(RecvTimeoutError::Disconnected) => {
+            Ok(Answer::Line(answer)) => answer,
+            Ok(Answer::Bad(message)) => {
+                return Err(self.break_with(format!("{message} (answering `{method}`)")));
+            }
+            Ok(Answer::Closed) | Err(RecvTimeoutError::Disconnected) => {
                 let status = self.exit_status_after_eof();
                 return Err(self.break_with(format!("the process exited ({status}) before answering `{method}`")));
             }
@@ -151,12 +201,26 @@ impl Process {
     /// Marks the process broken (killing it) and returns the error for `message`, with the end
     /// of its stderr.
     pub fn break_with(&mut self, message: String) -> CallError {
-        let _ = self.child.kill();
+        self.kill_group();
         let _ = self.child.wait();
         let tail = self.stderr_tail();
         let message = if tail.is_empty() { message } else { format!("{message}; its stderr ended with:\n{tail}") };
         self.broken = Some(message.clone());
         CallError::Broken(message)
+    }
+
+    /// Kills the process and everything in its process group (what it started and did not
+    /// move to a group of its own).
+    pub fn kill_group(&mut self) {
+        #[cfg(unix)]
+        if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+            // SAFETY: a signal to the group this process leads (it is not yet reaped, so its
+            // pid, and with it the group id, cannot have been reused).
+            unsafe {
+                libc::kill(-pid, libc::SIGKILL);
+            }
+        }
+        let _ = self.child.kill();
     }
 
     /// The process's exit status once its stdout closed (waiting briefly for it to exit).
@@ -182,9 +246,40 @@ impl Drop for Process {
     fn drop(&mut self) {
         // Closing stdin asks a well-behaved process to exit; the kill makes sure of it.
         self.requests.take();
-        let _ = self.child.kill();
+        self.kill_group();
         let _ = self.child.wait();
     }
+}
+
+/// The watchdog of the process group `leader` leads, forked before the leader runs its
+/// command: it holds none of troupe's files (the leader's pipes must close when the leader
+/// exits, and the run directory's lock must go with troupe), waits until the leader is gone
+/// (its parent changes: the leader exited or was killed, on its own, by troupe, or by the
+/// death signal when troupe died), then kills the group and exits. Async-signal-safe calls
+/// only: it runs in a fork of a multithreaded process.
+#[cfg(unix)]
+unsafe fn watch_group(leader: libc::pid_t) -> ! {
+    #[cfg(target_os = "linux")]
+    let closed = libc::syscall(libc::SYS_close_range, 0u32, u32::MAX, 0u32) == 0;
+    #[cfg(not(target_os = "linux"))]
+    let closed = false;
+    if !closed {
+        let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        let max = if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur.min(1 << 16) as libc::c_int
+        } else {
+            1024
+        };
+        for fd in 0..max {
+            libc::close(fd);
+        }
+    }
+    let pause = libc::timespec { tv_sec: 0, tv_nsec: 100_000_000 };
+    while libc::getppid() == leader {
+        libc::nanosleep(&pause, std::ptr::null_mut());
+    }
+    libc::kill(-leader, libc::SIGKILL);
+    libc::_exit(0)
 }
 
 /// The `result` of the answer line `answer` to request `id` (`method`): a `Refused` error when

@@ -90,7 +90,7 @@ impl TrainConfig {
     /// file cut off after `eval:` leaves it) are errors; a file that does not end with a
     /// newline, as a cut-off one does not, gets a warning.
     pub fn from_yaml_file(path: &Path, overrides: &[String], registry: &Registry) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| TroupeError::io(path, e))?;
+        let text = file::read_config(path)?;
         file::check_whole(&text, path)?;
         Self::from_yaml_str(&text, path, overrides, registry)
     }
@@ -119,6 +119,9 @@ impl TrainConfig {
             // A key the schema does not have is the override's fault, not the file's.
             apply_override(&mut tree, &raw, &schema)
                 .map_err(|(key, message)| TroupeError::config(PathBuf::from("--set"), key, message))?;
+        }
+        if let Some((key, value)) = file::non_finite_number(&tree) {
+            return Err(config_error(key, format!("{value} is not a finite number")));
         }
         let config: TrainConfig = serde_path_to_error::deserialize(tree).map_err(|err| {
             let key = err.path().to_string();

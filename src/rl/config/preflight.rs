@@ -33,6 +33,18 @@ pub fn check_against_model(config: &TrainConfig, origin: &Path, model: &Model, r
             ),
         ));
     }
+    // A rank above the projections' width adds no capacity, and its factors could not be
+    // allocated for a large model.
+    let hidden = model.lm.config.hidden_size;
+    if config.adapter.r > hidden {
+        return Err(fail(
+            "adapter.r",
+            format!(
+                "{} is larger than the model's hidden size ({hidden}); a LoRA rank above it adds nothing",
+                config.adapter.r
+            ),
+        ));
+    }
     let chat_template = config.action.chat_template;
     let mut env = config.build_env(origin, registry)?;
     let mut longest = (0usize, 0u64);

@@ -27,6 +27,25 @@ pub const MAX_EPISODES: usize = 10_000_000;
 pub const MAX_AGENTS: usize = 4096;
 /// Most examples per format warm-up step.
 pub const MAX_WARMUP_BATCH: usize = 65_536;
+/// Most format warm-up steps.
+pub const MAX_WARMUP_STEPS: usize = 1_000_000;
+/// Most rows in one forward/backward pass, and most episodes played at once in evaluation.
+pub const MAX_BATCH_ROWS: usize = 65_536;
+/// Highest LoRA rank (the model's own dimensions bound it further, checked against the model).
+pub const MAX_LORA_RANK: usize = 65_536;
+/// Most steps in one episode, and most retries of an illegal reply.
+pub const MAX_STEPS: usize = 100_000_000;
+/// Highest learning rate (AdamW's steps are about `lr` in size: above 1 the adapters' weights,
+/// which start near 0.01, are overwritten by noise at the first step).
+pub const MAX_LR: f64 = 1.0;
+
+/// `Err` naming `key` when `value` is above `limit`.
+fn at_most(key: &str, value: usize, limit: usize) -> std::result::Result<(), Refusal> {
+    if value > limit {
+        return refuse(key, format!("{value} is too large (at most {limit})"));
+    }
+    Ok(())
+}
 
 /// A refused value: the key and what is wrong.
 type Refusal = (String, String);
@@ -72,7 +91,8 @@ impl TrainConfig {
         if self.runtime.micro_batch_rows == 0 {
             return refuse("runtime.micro_batch_rows", "must be at least 1");
         }
-        Ok(())
+        at_most("runtime.micro_batch_rows", self.runtime.micro_batch_rows, MAX_BATCH_ROWS)?;
+        at_most("runtime.eval_batch_episodes", self.runtime.eval_batch_episodes, MAX_BATCH_ROWS)
     }
 
     fn check_model(&self) -> std::result::Result<(), Refusal> {
@@ -109,6 +129,7 @@ impl TrainConfig {
         if agents.seats.is_empty() {
             return refuse("agents.seats", "names no seat (one agent id per seat of the environment)");
         }
+        at_most("agents.seats", agents.seats.len(), MAX_AGENTS)?;
         for (seat, &agent) in agents.seats.iter().enumerate() {
             if agent >= agents.num_agents {
                 return refuse(
@@ -131,6 +152,7 @@ impl TrainConfig {
     }
 
     fn check_adapter(&self) -> std::result::Result<(), Refusal> {
+        at_most("adapter.r", self.adapter.r, MAX_LORA_RANK)?;
         match self.adapter.validate(Path::new("")) {
             Err(TroupeError::BadValue { key: field, message, .. }) => refuse(&format!("adapter.{field}"), message),
             Err(other) => refuse("adapter", other.to_string()),
@@ -152,6 +174,7 @@ impl TrainConfig {
                 format!("{} is too large (at most {MAX_NEW_TOKENS})", action.max_new_tokens),
             );
         }
+        at_most("action.max_retries", action.max_retries, MAX_STEPS)?;
         if !(action.temperature.is_finite() && action.temperature >= 0.0) {
             return refuse("action.temperature", format!("{} is not a number >= 0", action.temperature));
         }
@@ -180,6 +203,8 @@ impl TrainConfig {
             ("training.group_size", t.group_size, MAX_GROUP_SIZE),
             ("training.groups_per_iteration", t.groups_per_iteration, MAX_GROUPS_PER_ITERATION),
             ("training.format_warmup.batch_size", t.format_warmup.batch_size, MAX_WARMUP_BATCH),
+            ("training.format_warmup.steps", t.format_warmup.steps, MAX_WARMUP_STEPS),
+            ("training.max_episode_steps", t.max_episode_steps, MAX_STEPS),
         ] {
             if value > limit {
                 return refuse(key, format!("{value} is too large (at most {limit})"));
@@ -198,6 +223,11 @@ impl TrainConfig {
         let o = &t.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
             return refuse("training.optimizer.lr", format!("{} is not a positive number", o.lr));
+        }
+        for (key, value) in [("training.optimizer.lr", o.lr), ("training.format_warmup.lr", t.format_warmup.lr)] {
+            if value.is_finite() && value > MAX_LR {
+                return refuse(key, format!("{value:e} is too large (at most {MAX_LR})"));
+            }
         }
         if !(o.eps.is_finite() && o.eps > 0.0) {
             return refuse("training.optimizer.eps", format!("{} is not a positive number", o.eps));
@@ -268,6 +298,7 @@ impl TrainConfig {
         if eval.max_episode_steps == Some(0) {
             return refuse("eval.max_episode_steps", "must be at least 1, or null for whole episodes");
         }
+        at_most("eval.every_episodes", eval.every_episodes, MAX_EPISODES)?;
         if eval.every > 0 && eval.every_episodes == 0 {
             return refuse("eval.every_episodes", "must be at least 1 when eval.every > 0");
         }

@@ -227,6 +227,8 @@ pub fn load_checkpoint(dir: &Path, manager: &mut MultiAdapterManager, device: &D
                 let key = format!("{name}/{}", peft_key(site, factor));
                 let m = store.read(&format!("{key}/exp_avg"), Some(&shape))?;
                 let v = store.read(&format!("{key}/exp_avg_sq"), Some(&shape))?;
+                m.check_finite(&optimizer_path, &format!("{key}/exp_avg"))?;
+                v.check_finite(&optimizer_path, &format!("{key}/exp_avg_sq"))?;
                 Ok(Moments { m: m.to_device(device), v: v.to_device(device) })
             };
             let a = read('A', pair.a.dims().to_vec())?;

@@ -180,6 +180,7 @@ impl TrainingRun {
         }
         let lock = RunLock::acquire(run_dir)?;
         for raw in overrides {
+            let raw = crate::rl::config::migrate::moved_override(raw);
             let key = raw.split('=').next().unwrap_or("").trim();
             if !matches!(key, "run.iterations" | "run.checkpoint_every" | "run.log_every") {
                 return Err(TroupeError::BadValue { origin: Some(PathBuf::from("--set")), key: key.to_string(), message: "a resumed run keeps its config; only run.iterations, run.checkpoint_every and run.log_every may change".into() });

@@ -168,6 +168,7 @@ pub fn plot_run(run_dir: &Path) -> Result<Vec<PathBuf>> {
     if log.records.is_empty() {
         return Err(TroupeError::Json { path, message: "no complete metrics line to plot".to_string() });
     }
+    super::lock::refuse_links(run_dir)?;
     plot_metrics(&log.records, &run_dir.join(PLOTS_DIR))
 }
 
