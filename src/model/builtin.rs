@@ -30,6 +30,9 @@ pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_en
 /// the corpus has no pair left that occurs twice. The tiny preset's vocabulary has this size.
 pub const TOKENIZER_SIZE: usize = 1024;
 
+/// The vocabulary size of every Qwen3 model (`config.json`'s `vocab_size`).
+const QWEN3_VOCAB: usize = 151_936;
+
 /// ChatML, the template Qwen models use.
 pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
 
@@ -40,14 +43,28 @@ pub enum Preset {
     Tiny,
     /// 41.6M parameters: exactly the Qwen3 shape of `peer_bench.py --make-small`.
     Small,
+    /// Qwen3-0.6B's published shape (0.60B parameters, 0.44B without the embedding).
+    #[value(name = "qwen3-0.6b")]
+    Qwen3_0_6b,
+    /// Qwen3-1.7B's published shape (1.72B parameters, 1.41B without the embedding).
+    #[value(name = "qwen3-1.7b")]
+    Qwen3_1_7b,
+    /// Qwen3-4B's published shape (4.02B parameters, 3.63B without the embedding).
+    #[value(name = "qwen3-4b")]
+    Qwen3_4b,
 }
 
 impl Preset {
-    /// The model configuration of this preset.
+    /// The model configuration of this preset. The `qwen3-*` presets take every shape field of
+    /// the published `config.json` (vocabulary 151936, rope_theta 1e6, tied embeddings); only
+    /// the EOS id differs, as the built-in tokenizer's ids are small.
     pub fn config(self) -> ModelConfig {
         let (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, max_pos) = match self {
             Preset::Tiny => (TOKENIZER_SIZE, 128, 384, 4, 4, 2, 32, 4096),
             Preset::Small => (32000, 512, 1536, 8, 8, 4, 64, 40960),
+            Preset::Qwen3_0_6b => (QWEN3_VOCAB, 1024, 3072, 28, 16, 8, 128, 40960),
+            Preset::Qwen3_1_7b => (QWEN3_VOCAB, 2048, 6144, 28, 16, 8, 128, 40960),
+            Preset::Qwen3_4b => (QWEN3_VOCAB, 2560, 9728, 36, 32, 8, 128, 40960),
         };
         ModelConfig {
             model_type: ModelType::Qwen3,
@@ -211,6 +228,56 @@ mod tests {
     fn small_preset_has_the_peer_shape() {
         assert_eq!(Preset::Small.config().num_parameters(), 41_559_552);
         assert!(Preset::Tiny.config().num_parameters() < 1_200_000);
+    }
+
+    /// The `qwen3-*` presets against the `config.json` files Qwen publishes (fixtures/configs)
+    /// and the model cards' parameter counts, without drawing any weights.
+    #[test]
+    fn published_qwen3_shapes() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs");
+        // (preset, file, card's parameters, card's non-embedding parameters, in billions, and
+        // the decimals the card rounds them to)
+        let cards = [
+            (Preset::Qwen3_0_6b, "Qwen3-0.6B.json", 0.6, 0.44, 2),
+            (Preset::Qwen3_1_7b, "Qwen3-1.7B.json", 1.7, 1.4, 1),
+            (Preset::Qwen3_4b, "Qwen3-4B.json", 4.0, 3.6, 1),
+        ];
+        for (preset, file, total, non_embedding, decimals) in cards {
+            let published = ModelConfig::from_file(&dir.join(file)).unwrap();
+            let mut ours = preset.config();
+            assert_eq!(published.eos_token_ids, vec![151645]);
+            ours.eos_token_ids = published.eos_token_ids.clone();
+            assert_eq!(ours, published, "{file}");
+            let n = ours.num_parameters();
+            let embedding = ours.vocab_size * ours.hidden_size;
+            let billions = |n: usize, places: i32| {
+                let scale = 10f64.powi(places);
+                (n as f64 / 1e9 * scale).round() / scale
+            };
+            assert_eq!(billions(n, 1), total, "{file}: {n} parameters");
+            assert_eq!(billions(n - embedding, decimals), non_embedding, "{file}: {n} - {embedding}");
+            let by_tensor: usize = ours.tensor_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+            assert_eq!(by_tensor, n, "{file}");
+        }
+        assert_eq!(Preset::Qwen3_0_6b.config().num_parameters(), 596_049_920);
+        assert_eq!(Preset::Qwen3_1_7b.config().num_parameters(), 1_720_574_976);
+        assert_eq!(Preset::Qwen3_4b.config().num_parameters(), 4_022_468_096);
+        for name in ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b"] {
+            assert!(<Preset as clap::ValueEnum>::from_str(name, true).is_ok(), "{name}");
+        }
+    }
+
+    /// The weights a preset draws are exactly the checkpoint layout of its configuration
+    /// (checked on `tiny`: the real-shape presets draw the same tensors, only larger).
+    #[test]
+    fn weights_cover_the_checkpoint_layout() {
+        let config = Preset::Tiny.config();
+        let weights = init_weights(&config, 0);
+        let drawn: Vec<(String, Vec<usize>)> =
+            weights.tensors.iter().map(|(name, t)| (name.clone(), t.shape.clone())).collect();
+        let mut expected = config.tensor_shapes();
+        expected.sort();
+        assert_eq!(drawn, expected);
     }
 
     #[test]

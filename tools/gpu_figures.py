@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""troupe against PyTorch / PEFT / TRL on one device, side by side, into one JSON file.
+
+Usage, from the repository root, with troupe built (`cargo build --release [--features cuda]`)
+and a Python that has the peers (`pip install "torch==2.15.0" "transformers==5.23.0"
+"peft==0.21.2" "trl==1.16.0" "datasets==5.2.0"`):
+
+    python3 tools/gpu_figures.py --device cuda --python /venv/bin/python --out figures.json
+    python3 tools/gpu_figures.py --device cpu --quick --out /tmp/figures.json   # a smoke run
+
+Runs, in this order, each part `--reps` times alternating troupe and its peer:
+- kernels (the `small` preset): troupe's criterion benchmarks `model` (prefill / decode, batch 1
+  and 16) and `adapters` (LoRA step, mixed-adapter forward), read by `criterion_fastest.py`, and
+  `peer_bench.py` on the same model directory;
+- a whole iteration (`--preset`, default qwen3-0.6b): `troupe train` on `writing_tldr` with the
+  length reward, 2 agents x `--groups` x `--group-size` replies of `--new-tokens` tokens, and
+  TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
+  seconds per iteration / step after the first.
+Writes `--out`: the machine, the versions, every raw figure and the troupe / peer ratios, each as
+the list over repetitions. `--quick` shrinks everything (criterion's shortest run, the tiny preset,
+a 2 x 1 x 2 x 8 iteration) to check the script end to end, not to measure.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import criterion_fastest  # noqa: E402
+
+# writing_tldr's agents: two seats write the summary together.
+AGENTS = 2
+
+
+def run(cmd, env=None, log=None):
+    """Runs `cmd` from the repository root; its stdout, or an error naming the command."""
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                          stderr=log if log else None, text=True)
+    if done.returncode != 0:
+        sys.exit(f"error: `{' '.join(cmd)}` exited with {done.returncode}")
+    return done.stdout
+
+
+def last_json(text, what):
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    sys.exit(f"error: {what} printed no JSON line")
+
+
+def machine(device, python):
+    info = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    try:
+        info["cpu"] = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device.startswith("cuda"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             stdout=subprocess.PIPE, text=True)
+        info["gpu"] = smi.stdout.strip() if smi.returncode == 0 else None
+    versions = subprocess.run([python, "-c", "import torch, transformers, peft, trl; print(torch.__version__, "
+                               "transformers.__version__, peft.__version__, trl.__version__)"],
+                              stdout=subprocess.PIPE, text=True)
+    info["peers"] = dict(zip(["torch", "transformers", "peft", "trl"], versions.stdout.split()))
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    info["troupe_commit"] = rev.stdout.strip() or None
+    return info
+
+
+def troupe_kernels(args, criterion_dir):
+    """Runs troupe's kernel benchmarks; tokens/s (criterion's fastest sample, the estimator the
+    peer reports) and the mixed batch's K=8 / K=1 time."""
+    features = ["--features", "cuda"] if args.device.startswith("cuda") else []
+    quick = ["--warm-up-time", "1", "--measurement-time", "1"] if args.quick else []
+    env = {"TROUPE_DEVICE": args.device, "CARGO_TARGET_DIR": args.target_dir}
+    run(["cargo", "bench", *features, "--bench", "model", "--", "small", *quick], env)
+    run(["cargo", "bench", *features, "--bench", "adapters", "--", "lora_train_step|mixed32x64_forward/one_pass",
+         *quick], env)
+    out = {}
+    names = {"prefill_small/b1x128": "prefill_tok_s_b1", "prefill_small/b16x128": "prefill_tok_s_b16",
+             "decode_small/b1": "decode_tok_s_b1", "decode_small/b16": "decode_tok_s_b16",
+             "lora_train_step/b8x128": "lora_train_tok_s_b8x128"}
+    for bench, key in names.items():
+        fastest_ns, _mean = criterion_fastest.fastest_and_mean_ns(criterion_dir, bench)
+        out[key] = criterion_fastest.TOKENS[bench] / fastest_ns * 1e9
+    k1, k8 = (criterion_fastest.load(criterion_dir, f"mixed32x64_forward/one_pass/K{k}", "estimates.json")
+              ["mean"]["point_estimate"] for k in (1, 8))
+    out["mixed32_K8_rel"] = k8 / k1
+    return out
+
+
+def troupe_iteration(args, model_dir, work, rep):
+    out_dir = os.path.join(work, f"run{rep}")
+    reward = f"[{{name: external, command: [{args.reward_python}, python/examples/length_reward.py], weight: 1.0}}]"
+    sets = {"model.path": model_dir, "model.device": args.device, "run.out_dir": out_dir,
+            "run.iterations": args.iterations, "run.checkpoint_every": 1000,
+            "training.groups_per_iteration": args.groups, "training.group_size": args.group_size,
+            "action.max_new_tokens": args.new_tokens, "rewards.functions": reward}
+    cmd = [args.troupe, "train", "--config", "configs/writing_tldr.yaml"]
+    for key, value in sets.items():
+        cmd += ["--set", f"{key}={value}"]
+    run(cmd, log=subprocess.DEVNULL)
+    lines = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
+    seconds = [l["seconds"] for l in lines]
+    steady = seconds[1:] or seconds
+    return {"iteration_s": seconds, "s_per_iteration": sum(steady) / len(steady),
+            "replies": AGENTS * args.groups * args.group_size}
+
+
+def trl_iteration(args, model_dir):
+    # TRL trains one model: as many completions per step as troupe's iteration makes
+    # (agents x groups prompts, group_size completions each).
+    cmd = [args.python, "tools/trl_grpo_peer.py", model_dir, "envs/data/writing_posts.jsonl",
+           "--steps", str(args.iterations), "--threads", str(args.threads), "--prompts",
+           str(AGENTS * args.groups), "--gens", str(args.group_size), "--new", str(args.new_tokens),
+           "--device", args.device]
+    return last_json(run(cmd, log=subprocess.DEVNULL), "trl_grpo_peer.py")
+
+
+def ratios(ours, peer, higher_is_better):
+    """troupe / peer for each shared key (a time inverts, so above 1 always means troupe ahead)."""
+    out = {}
+    for key, better in higher_is_better.items():
+        if ours.get(key) and peer.get(key):
+            out[key] = ours[key] / peer[key] if better else peer[key] / ours[key]
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    p.add_argument("--python", default=sys.executable, help="a Python with torch, transformers, peft, trl")
+    p.add_argument("--reward-python", default="python3", help="the Python that serves troupe's length reward")
+    p.add_argument("--troupe", default=os.path.join(ROOT, "target/release/troupe"))
+    p.add_argument("--target-dir", default=os.path.join(ROOT, "target"), help="cargo's target dir for the benches")
+    p.add_argument("--preset", default="qwen3-0.6b", help="the model of the whole-iteration comparison")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--groups", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="the peers' CPU threads")
+    p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--quick", action="store_true", help="smallest settings: checks the script, measures nothing")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if args.quick:
+        args.preset, args.reps, args.iterations = "tiny", 1, 2
+        args.groups, args.group_size, args.new_tokens = 1, 2, 8
+    if not os.access(args.troupe, os.X_OK):
+        sys.exit(f"error: --troupe {args.troupe}: no such executable (cargo build --release first)")
+    result = {"machine": machine(args.device, args.python), "device": args.device, "quick": args.quick,
+              "settings": {k: getattr(args, k) for k in ("preset", "reps", "iterations", "groups",
+                                                          "group_size", "new_tokens", "threads")}}
+    with tempfile.TemporaryDirectory(prefix="troupe-figures-") as work:
+        if not args.skip_kernels:
+            small = os.path.join(work, "small")
+            run([args.troupe, "init-model", "--out", small, "--preset", "small"], log=subprocess.DEVNULL)
+            criterion_dir = os.path.join(args.target_dir, "criterion")
+            kernels = {"troupe": [], "pytorch": [], "ratio": []}
+            for _ in range(args.reps):
+                ours = troupe_kernels(args, criterion_dir)
+                peer = last_json(run([args.python, "tools/peer_bench.py", small, "--device", args.device,
+                                      "--threads", str(args.threads)], log=subprocess.DEVNULL), "peer_bench.py")
+                kernels["troupe"].append(ours)
+                kernels["pytorch"].append(peer)
+                kernels["ratio"].append(ratios(ours, peer, {"prefill_tok_s_b1": True, "prefill_tok_s_b16": True,
+                                                            "decode_tok_s_b1": True, "decode_tok_s_b16": True,
+                                                            "lora_train_tok_s_b8x128": True}))
+            result["kernels_small"] = kernels
+        model_dir = os.path.join(work, args.preset)
+        run([args.troupe, "init-model", "--out", model_dir, "--preset", args.preset], log=subprocess.DEVNULL)
+        iteration = {"troupe": [], "trl": [], "trl_s_per_step_over_troupe_s_per_iteration": []}
+        for rep in range(args.reps):
+            ours = troupe_iteration(args, model_dir, work, rep)
+            peer = trl_iteration(args, model_dir)
+            iteration["troupe"].append(ours)
+            iteration["trl"].append(peer)
+            iteration["trl_s_per_step_over_troupe_s_per_iteration"].append(peer["s_per_step"] / ours["s_per_iteration"])
+        result[f"iteration_{args.preset}"] = iteration
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, args.out)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
