@@ -5,6 +5,7 @@
 //! where they are read, and an external environment's process group goes with troupe.
 
 mod common;
+use common::{gone, stderr, succeeds, wait_gone};
 
 use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
@@ -14,15 +15,6 @@ use std::time::{Duration, Instant};
 
 fn troupe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).env("RUST_LOG", "warn").output().expect("troupe runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn succeeds(out: &Output) -> serde_json::Value {
-    assert!(out.status.success(), "{:?}, stderr: {}", out.status, stderr(out));
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
 /// The one `error` line of a failed command (and no panic).
@@ -288,25 +280,6 @@ fn a_checkpoint_with_non_finite_weights_is_set_aside_and_the_one_before_resumes(
         "{text}"
     );
     assert!(run.join("checkpoints/corrupt-iteration-000002").is_dir(), "the poisoned checkpoint is set aside");
-}
-
-/// Whether process `pid` is gone (or a zombie nobody reaped yet).
-fn gone(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
-    }
-}
-
-fn wait_gone(pid: u32) -> bool {
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(5) {
-        if gone(pid) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    false
 }
 
 #[test]

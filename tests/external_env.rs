@@ -3,6 +3,9 @@
 //! rollouts of the model; and a process that crashes, hangs, prints garbage or answers out of
 //! turn fails with an error naming it and the offending message, within its time limit.
 
+mod common;
+use common::{gone, wait_gone};
+
 use std::time::{Duration, Instant};
 use troupe::error::RunError;
 
@@ -503,25 +506,6 @@ fn oversized_unreadable_and_impossible_answers_are_refused_by_name() {
 
     let err = scripted_with(r#"read l; printf '{"id":0,\377}\n'"#, json!({})).err().unwrap();
     assert!(err.contains("not UTF-8") && !err.contains("stdout closed"), "{err}");
-}
-
-/// Whether process `pid` is gone (or a zombie).
-fn gone(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
-    }
-}
-
-fn wait_gone(pid: u32) -> bool {
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(5) {
-        if gone(pid) {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    false
 }
 
 #[test]

@@ -3,20 +3,14 @@
 //! resume that cannot go backwards, a changed learning-rate schedule said out loud, `--set`
 //! blamed for its own mistakes, plain-text logs, and `eval` of baselines without adapters.
 
+mod common;
+use common::{stderr, succeeds};
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn troupe(args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).env("RUST_LOG", "info").output().expect("run troupe")
-}
-
-fn stderr(out: &std::process::Output) -> String {
-    String::from_utf8_lossy(&out.stderr).to_string()
-}
-
-fn succeeds(out: &std::process::Output) -> serde_json::Value {
-    assert!(out.status.success(), "stderr: {}", stderr(out));
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
 fn error_line(out: &std::process::Output) -> String {

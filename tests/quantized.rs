@@ -53,7 +53,7 @@ fn kept_quantized_gguf_matches_the_dequantized_base() {
     let device = Device::flex();
     for name in ["tiny-llama.gguf", "tiny-qwen2.gguf", "tiny-qwen3.gguf", "kquants-llama.gguf"] {
         let dense = Model::from_path(&gguf(name), &device).unwrap();
-        let quantized = Model::load(&LoadOptions::path(&gguf(name)).quantized(true), &device).unwrap();
+        let quantized = Model::load(&LoadOptions::path(gguf(name)).quantized(true), &device).unwrap();
         assert_eq!(quantized.lm.format(), BaseFormat::Quantized);
         assert!(matches!(quantized.lm.layers[0].self_attn.qkv_proj.weight, LinearWeight::Quantized(_)));
         let want = expected(name);
@@ -123,7 +123,7 @@ fn float_checkpoint_kept_as_q8_0_stays_close() {
 #[test]
 fn quantized_product_backward_is_dy_w() {
     let device = Device::flex();
-    let model = Model::load(&LoadOptions::path(&gguf("tiny-llama.gguf")).quantized(true), &device).unwrap();
+    let model = Model::load(&LoadOptions::path(gguf("tiny-llama.gguf")).quantized(true), &device).unwrap();
     let LinearWeight::Quantized(weight) = &model.lm.layers[0].mlp.down_proj.weight else { panic!("kept quantized") };
     let [out, input] = weight.dims();
     let w = Tensor::<2>::from_data(TensorData::new(weight.dequantize(), [out, input]), &device);

@@ -5,21 +5,15 @@
 //! before, values that cannot fit the model or memory are refused before anything is written,
 //! and empty, cut-off or edited inputs get a clear error.
 
+mod common;
+use common::{stderr, succeeds};
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 fn troupe(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_troupe")).args(args).env("RUST_LOG", "warn").output().expect("troupe runs")
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn succeeds(out: &Output) -> serde_json::Value {
-    assert!(out.status.success(), "{:?}, stderr: {}", out.status, stderr(out));
-    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
 }
 
 /// The one `error` line of a failed command.

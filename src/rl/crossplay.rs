@@ -100,12 +100,12 @@ pub fn crossplay(
     }
     let mut score = vec![Vec::with_capacity(runs.len()); runs.len()];
     let mut cells = Vec::with_capacity(runs.len() * runs.len());
-    for row in 0..runs.len() {
+    for (row, row_scores) in score.iter_mut().enumerate() {
         for column in 0..runs.len() {
             let seated = seat_pair(model, runs, row, column)?;
             let summary = evaluate(model, &seated, config, episodes, registry)?;
             tracing::info!(row, column, score = summary.score.mean, "cross-play cell");
-            score[row].push(summary.score);
+            row_scores.push(summary.score);
             cells.push(CrossplayCell {
                 row,
                 column,

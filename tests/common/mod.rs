@@ -206,3 +206,34 @@ pub fn assert_greedy(got: &[u32], expected: &[u32], logits_after: impl Fn(&[u32]
         expected[step]
     );
 }
+
+/// A command's stderr as text.
+pub fn stderr(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The JSON a successful command printed on stdout (the test fails, with stderr, otherwise).
+pub fn succeeds(out: &std::process::Output) -> serde_json::Value {
+    assert!(out.status.success(), "{:?}, stderr: {}", out.status, stderr(out));
+    serde_json::from_slice(&out.stdout).expect("JSON on stdout")
+}
+
+/// Whether process `pid` is gone (or a zombie nobody reaped yet).
+pub fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// Waits up to 5 s for process `pid` to be [`gone`].
+pub fn wait_gone(pid: u32) -> bool {
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_secs(5) {
+        if gone(pid) {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    false
+}

@@ -25,17 +25,22 @@ pub const MOVED_KEYS: [(&[&str], &[&str]); 11] = [
 /// Moves every [`MOVED_KEYS`] entry of `tree` to its new place (the new key wins when both
 /// are given), warning once per key when `origin` (the file) is given.
 pub fn move_keys(tree: &mut Yaml, origin: Option<&Path>) {
+    let (mut moved, mut ignored) = (Vec::new(), Vec::new());
     for (old, new) in MOVED_KEYS {
         let Some(value) = remove_path(tree, old) else { continue };
-        let moved = insert_path_if_absent(tree, new, value);
-        if let Some(origin) = origin {
-            let (old, new, file) = (old.join("."), new.join("."), origin.display());
-            if moved {
-                tracing::warn!("{file}: `{old}` is now `{new}`; read as such");
-            } else {
-                tracing::warn!("{file}: `{old}` (the old name of `{new}`) is ignored: `{new}` is given too");
-            }
+        let (old, new) = (old.join("."), new.join("."));
+        if insert_path_if_absent(tree, &new.split('.').collect::<Vec<_>>(), value) {
+            moved.push(format!("`{old}` as `{new}`"));
+        } else {
+            ignored.push(format!("`{old}` (`{new}` is given too)"));
         }
+    }
+    let Some(origin) = origin else { return };
+    if !moved.is_empty() {
+        tracing::warn!("{}: keys that moved, read at their new place: {}", origin.display(), moved.join(", "));
+    }
+    if !ignored.is_empty() {
+        tracing::warn!("{}: old keys ignored: {}", origin.display(), ignored.join(", "));
     }
 }
 

@@ -19,6 +19,11 @@ impl Decider for Choice {
         true
     }
 
+    /// `choice` mode: every legal action's text is scored after its row's prompt, all rows in one
+    /// packed forward ([`score_choices`]: each prompt read once, its keys and values shared by all
+    /// its candidates), and an action is sampled from `softmax(log-likelihood / temperature)` (the
+    /// most likely at temperature 0). That distribution is the policy the trainer's choice
+    /// objective differentiates.
     fn decide(
         &self,
         step: &Step<'_>,
@@ -26,53 +31,39 @@ impl Decider for Choice {
         pending: &[Pending],
         rngs: &mut [ChaCha8Rng],
     ) -> Result<Vec<Decided>> {
-        decide(step, envs, pending, rngs)
-    }
-}
-
-/// `choice` mode: every legal action's text is scored after its row's prompt, all rows in one
-/// packed forward ([`score_choices`]: each prompt read once, its keys and values shared by all
-/// its candidates), and an action is sampled from `softmax(log-likelihood / temperature)` (the
-/// most likely at temperature 0). That distribution is the policy the trainer's choice
-/// objective differentiates.
-fn decide(
-    step: &Step<'_>,
-    envs: &[Box<dyn Environment>],
-    pending: &[Pending],
-    rngs: &mut [ChaCha8Rng],
-) -> Result<Vec<Decided>> {
-    let mut candidates: Vec<Vec<(u32, Vec<u32>)>> = Vec::with_capacity(pending.len());
-    for p in pending {
-        let legal = finite_legal_actions(envs, p, ActionMode::Choice)?;
-        let mut list = Vec::with_capacity(legal.len());
-        for action in legal {
-            list.push((action.id, step.model.tokenizer.encode(&action.text)?));
+        let mut candidates: Vec<Vec<(u32, Vec<u32>)>> = Vec::with_capacity(pending.len());
+        for p in pending {
+            let legal = finite_legal_actions(envs, p, ActionMode::Choice)?;
+            let mut list = Vec::with_capacity(legal.len());
+            for action in legal {
+                list.push((action.id, step.model.tokenizer.encode(&action.text)?));
+            }
+            candidates.push(list);
         }
-        candidates.push(list);
+        let token_lists: Vec<Vec<Vec<u32>>> =
+            candidates.iter().map(|l| l.iter().map(|(_, ids)| ids.clone()).collect()).collect();
+        let agents: Vec<Option<usize>> = pending.iter().map(|p| Some(p.agent)).collect();
+        let (delta, _) = step.manager.mixed(&agents, false)?;
+        let decisions: Vec<(&[u32], &[Vec<u32>])> =
+            pending.iter().zip(&token_lists).map(|(p, c)| (p.prompt_ids.as_slice(), c.as_slice())).collect();
+        let scores =
+            score_choices(&step.model.lm, &decisions, step.action.choice_score, Some(&delta as &dyn ProjectionDelta))?;
+        let temperature = step.action.temperature as f32;
+        let mut decided = Vec::with_capacity(pending.len());
+        for (((list, tokens), likelihoods), p) in candidates.into_iter().zip(token_lists).zip(scores).zip(pending) {
+            let pick = sample_choice(&likelihoods, temperature, &mut rngs[p.episode]);
+            let entropy = choice_entropy(&likelihoods, temperature);
+            decided.push(Decided {
+                action: Some(Action::Id(list[pick].0)),
+                retry_prompt: None,
+                completion_ids: tokens[pick].clone(),
+                sampling_logprobs: vec![choice_log_prob(&likelihoods, temperature, pick)],
+                invalid: false,
+                choice: Some(ChoiceTurn { candidates: tokens, chosen: pick, entropy }),
+            });
+        }
+        Ok(decided)
     }
-    let token_lists: Vec<Vec<Vec<u32>>> =
-        candidates.iter().map(|l| l.iter().map(|(_, ids)| ids.clone()).collect()).collect();
-    let agents: Vec<Option<usize>> = pending.iter().map(|p| Some(p.agent)).collect();
-    let (delta, _) = step.manager.mixed(&agents, false)?;
-    let decisions: Vec<(&[u32], &[Vec<u32>])> =
-        pending.iter().zip(&token_lists).map(|(p, c)| (p.prompt_ids.as_slice(), c.as_slice())).collect();
-    let scores =
-        score_choices(&step.model.lm, &decisions, step.action.choice_score, Some(&delta as &dyn ProjectionDelta))?;
-    let temperature = step.action.temperature as f32;
-    let mut decided = Vec::with_capacity(pending.len());
-    for (((list, tokens), likelihoods), p) in candidates.into_iter().zip(token_lists).zip(scores).zip(pending) {
-        let pick = sample_choice(&likelihoods, temperature, &mut rngs[p.episode]);
-        let entropy = choice_entropy(&likelihoods, temperature);
-        decided.push(Decided {
-            action: Some(Action::Id(list[pick].0)),
-            retry_prompt: None,
-            completion_ids: tokens[pick].clone(),
-            sampling_logprobs: vec![choice_log_prob(&likelihoods, temperature, pick)],
-            invalid: false,
-            choice: Some(ChoiceTurn { candidates: tokens, chosen: pick, entropy }),
-        });
-    }
-    Ok(decided)
 }
 
 /// `log softmax(scores / temperature)[pick]`, the choice policy's log-probability of `pick`
