@@ -1,10 +1,11 @@
 //! `action:`: how an agent's text becomes an action. The config ([`ActionConfig`]) names one
-//! [`ActionMode`]; the mode is turned once into its [`Decider`], the one trait every mode
-//! implements (`free`: [`super::free`], `constrained`: [`super::constrained`], `choice`:
+//! [`ActionMode`]; the mode is turned once into its [`Decider`] (`ActionMode::decider`, in
+//! [`super::modes`]), the one trait every mode implements (`free`: [`super::free`], `constrained`: [`super::constrained`], `choice`:
 //! [`super::choice`]). The rollout loop ([`super::Rollout`]) asks the decider for the actions of
 //! every pending row of a step and knows no mode by name.
 //!
-//! A new action mode is one file implementing [`Decider`] plus its variant here.
+//! A new action mode is one file implementing [`Decider`], its variant here and its arm in
+//! [`super::modes`].
 
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -54,17 +55,6 @@ pub enum Fallback {
     Random,
     /// End the episode.
     EndEpisode,
-}
-
-impl ActionMode {
-    /// The mode's decider, chosen once per rollout.
-    pub fn decider(self) -> &'static dyn Decider {
-        match self {
-            ActionMode::Free => &super::free::Free,
-            ActionMode::Constrained => &super::constrained::Constrained,
-            ActionMode::Choice => &super::choice::Choice,
-        }
-    }
 }
 
 /// `action:` — action mode, invalid-reply handling and sampling. Every default is written here.

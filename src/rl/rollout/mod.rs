@@ -10,6 +10,7 @@ pub mod action;
 pub mod choice;
 pub mod constrained;
 pub mod free;
+pub mod modes;
 pub mod stats;
 
 use rand::SeedableRng;
