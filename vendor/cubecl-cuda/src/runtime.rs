@@ -374,8 +374,9 @@ impl DeviceService for CudaServer {
         // Which backend compiles here decides what may be advertised: the two are not at the
         // same point, and a feature the selected one cannot honour is a kernel that fails to
         // compile rather than a slower one.
+        let backend = crate::compiler::CudaBackend::default();
         #[cfg(feature = "llvm")]
-        if crate::compiler::CudaBackend::default() == crate::compiler::CudaBackend::Llvm {
+        if backend == crate::compiler::CudaBackend::Llvm {
             restrict_features(&mut device_props, GpuTarget::Nvptx);
         }
 
