@@ -147,8 +147,8 @@ fn impossible_sizes_and_values_are_refused_before_the_run_directory_exists() {
         ("adapter.r=1000", ["adapter.r", "hidden size"]),
         ("eval.every_episodes=100000000", ["eval.every_episodes", "too large"]),
         ("runtime.eval_batch_episodes=1000000000", ["runtime.eval_batch_episodes", "too large"]),
-        ("training.format_warmup_steps=100000000000", ["training.format_warmup_steps", "too large"]),
-        ("training.lr=1e308", ["training.lr", "too large"]),
+        ("training.format_warmup_steps=100000000000", ["training.format_warmup.steps", "too large"]),
+        ("training.lr=1e308", ["training.optimizer.lr", "too large"]),
         ("adapter.lora_alpha=1e308", ["adapter.lora_alpha", "scale"]),
         ("env.life_loss_penalty=.nan", ["env.life_loss_penalty", "not a finite number"]),
         ("run=", ["run is a section", "run.KEY=VALUE"]),
@@ -185,17 +185,17 @@ fn input_is_bounded_before_the_model_or_the_parser_sees_it() {
     assert!(line.contains("--set env.params") && line.contains("nested more than 64 levels"), "{line}");
 }
 
-/// Runs troupe with its stdout's reading end closed before anything is written.
+/// Runs troupe with its stdout a pipe whose reading end is closed before troupe starts.
 fn with_closed_stdout(args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    Command::new(env!("CARGO_BIN_EXE_troupe"))
         .args(args)
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
+        .stdout(writer)
         .stderr(Stdio::piped())
-        .spawn()
-        .expect("troupe runs");
-    drop(child.stdout.take());
-    child.wait_with_output().expect("troupe ends")
+        .output()
+        .expect("troupe runs")
 }
 
 #[test]

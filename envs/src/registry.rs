@@ -236,6 +236,9 @@ pub fn parse_params<T: DeserializeOwned>(env: &str, params: &Value) -> Result<T,
             let name = message.split('`').nth(1).unwrap_or("params");
             if path == "." {
                 name.to_string()
+            } else if path == name || path.ends_with(&format!(".{name}")) {
+                // serde_path_to_error already ends the path with the unknown key.
+                path
             } else {
                 format!("{path}.{name}")
             }
