@@ -2,9 +2,9 @@
 //! "Training"):
 //!
 //! 1. **rollouts**: G episodes from each of several starts ([`super::rollout`]);
-//! 2. **credit**: rewards shaped per step and seat, turned into advantages, one
-//!    [`TrainBatch`] row per reply or decision ([`super::credit::batch`]); with a KL penalty, the base
-//!    model's log-probs are attached to the rows;
+//! 2. **credit** ([`super::credit::Credit`]): rewards shaped per step and seat, turned into
+//!    advantages, one [`TrainBatch`](super::credit::batch::TrainBatch) row per reply or decision;
+//!    with a KL penalty, the base model's log-probs are attached to the rows;
 //! 3. **update**: the [`Objective`]'s loss over the batch in mixed-adapter micro-batches, one
 //!    backward each ([`super::update`]);
 //! 4. **optimizer**: one clipped AdamW step per adapter that got a gradient
