@@ -3,7 +3,8 @@
 //! pass; for scoring (forward) and for training (forward + backward). The same workload as
 //! `peer_bench.py`'s `mixed32_K*` (PEFT's per-row `adapter_names`, inference only).
 //!
-//! `cargo bench --bench adapters` (`TROUPE_DEVICE=cuda` and `--features cuda` on a GPU).
+//! `cargo bench --bench adapters` (`TROUPE_DEVICE=cuda` and `--features cuda` on a GPU;
+//! `TROUPE_DTYPE=f32|bf16|f16` sets the base's precision, default `auto`: bf16 on CUDA).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
@@ -13,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use troupe::adapters::optim::adapter_grads;
 use troupe::adapters::{AdamWConfig, AdamWState, AdapterConfig, MultiAdapterManager};
 use troupe::generate::{next_token_logprobs, ScoringBatch};
-use troupe::model::{Model, Preset};
+use troupe::model::{LoadOptions, Model, Preset};
 
 const ROWS: usize = 32;
 const LEN: usize = 64;
@@ -35,7 +36,8 @@ fn pass(model: &Model, manager: &MultiAdapterManager, rows: &[Vec<u32>], agents:
 fn bench_adapters(c: &mut Criterion) {
     troupe::device::tune_allocator();
     let device = troupe::device::default_device().expect("TROUPE_DEVICE");
-    let model = Model::builtin(Preset::Small, 0, &device).unwrap();
+    let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
+    let model = Model::load(&LoadOptions::builtin(Preset::Small, 0).dtype(precision), &device).unwrap();
     let vocab = model.tokenizer.vocab_size();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let rows: Vec<Vec<u32>> =
@@ -71,7 +73,8 @@ fn bench_adapters(c: &mut Criterion) {
 fn bench_train_step(c: &mut Criterion) {
     troupe::device::tune_allocator();
     let device = troupe::device::default_device().expect("TROUPE_DEVICE");
-    let model = Model::builtin(Preset::Small, 0, &device).unwrap();
+    let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
+    let model = Model::load(&LoadOptions::builtin(Preset::Small, 0).dtype(precision), &device).unwrap();
     let vocab = model.tokenizer.vocab_size();
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let rows: Vec<Vec<u32>> = (0..8).map(|_| (0..128).map(|_| rng.random_range(1..vocab as u32)).collect()).collect();

@@ -4,7 +4,8 @@
 //!
 //! `cargo bench --bench model` (criterion prints elements/s = tokens/s). On a GPU:
 //! `TROUPE_DEVICE=cuda cargo bench --features cuda --bench model` (each timed pass ends when the
-//! device has finished its work).
+//! device has finished its work). `TROUPE_DTYPE=f32|bf16|f16` sets the base's precision (default
+//! `auto`: bf16 on CUDA, f32 on the CPU).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
@@ -13,7 +14,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use troupe::generate::{generate, GenerateOptions, SamplingConfig};
-use troupe::model::{ForwardArgs, Model, Preset, SequenceLayout};
+use troupe::model::{ForwardArgs, LoadOptions, Model, Preset, SequenceLayout};
 
 fn random_rows(rng: &mut ChaCha8Rng, batch: usize, len: usize, vocab: usize) -> Vec<Vec<u32>> {
     (0..batch).map(|_| (0..len).map(|_| rng.random_range(1..vocab as u32)).collect()).collect()
@@ -22,8 +23,9 @@ fn random_rows(rng: &mut ChaCha8Rng, batch: usize, len: usize, vocab: usize) -> 
 fn bench_model(c: &mut Criterion) {
     troupe::device::tune_allocator();
     let device = troupe::device::default_device().expect("TROUPE_DEVICE");
+    let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
     for preset in [Preset::Tiny, Preset::Small] {
-        let model = Model::builtin(preset, 0, &device).unwrap();
+        let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
         let name = format!("{preset:?}").to_lowercase();
         let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
         let mut rng = ChaCha8Rng::seed_from_u64(0);

@@ -82,6 +82,19 @@ pub fn default_device() -> Result<Device> {
     }
 }
 
+/// The precision of the base's matrices when none is named (benchmarks, examples):
+/// `TROUPE_DTYPE` (`auto`, `bf16`, `f16`, `f32`) if set, else `auto` (bf16 on CUDA, f32 on the CPU).
+pub fn default_precision() -> Result<crate::model::Precision> {
+    match std::env::var("TROUPE_DTYPE") {
+        Ok(name) if !name.is_empty() => {
+            <crate::model::Precision as clap::ValueEnum>::from_str(&name, true).map_err(|_| {
+                TroupeError::invalid("TROUPE_DTYPE", format!("unknown dtype {name:?} (known: auto, bf16, f16, f32)"))
+            })
+        }
+        _ => Ok(crate::model::Precision::Auto),
+    }
+}
+
 /// Keeps tensor buffers in the process heap and the heap at its high-water mark, so the
 /// allocator reuses them across forward passes rather than page-faulting hundreds of MB of
 /// fresh, zeroed memory on every pass. glibc otherwise maps blocks over its mmap threshold

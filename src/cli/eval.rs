@@ -43,6 +43,9 @@ pub struct EvalArgs {
     /// Keep the base quantized: `--set model.quantized=true`.
     #[arg(long)]
     pub quantized: bool,
+    /// Precision of the base's matrices (`model.dtype`): auto, bf16, f16 or f32.
+    #[arg(long, value_enum)]
+    pub dtype: Option<crate::model::Precision>,
 }
 
 /// The adapters directory `path` names: itself, `path/adapters` (a checkpoint), or the newest
@@ -77,6 +80,9 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
     let mut set = args.set.clone();
     if args.quantized {
         set.push("model.quantized=true".to_string());
+    }
+    if let Some(dtype) = args.dtype {
+        set.push(format!("model.dtype={}", dtype.name()));
     }
     let config = TrainConfig::from_yaml_file(&args.config, &set, registry)?;
     config.build_env(&args.config, registry)?;

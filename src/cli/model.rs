@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::adapters::adapter_delta;
 use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
-use crate::model::{builtin, ChatMessage, LoadOptions, Model, Preset, ProjectionDelta};
+use crate::model::{builtin, ChatMessage, LoadOptions, Model, Precision, Preset, ProjectionDelta};
 
 /// `troupe init-model`: write the built-in model as a Hugging Face directory.
 #[derive(Debug, Args)]
@@ -46,6 +46,9 @@ pub struct LogprobsArgs {
     /// checkpoint) and multiply with them directly: a several times smaller base (CPU only).
     #[arg(long)]
     pub quantized: bool,
+    /// Precision of the base's matrices: auto (bf16 on CUDA, f32 on the CPU), bf16, f16, f32.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub dtype: Precision,
 }
 
 /// `troupe generate`: continue a prompt.
@@ -82,6 +85,9 @@ pub struct GenerateArgs {
     /// checkpoint) and multiply with them directly: a several times smaller base (CPU only).
     #[arg(long)]
     pub quantized: bool,
+    /// Precision of the base's matrices: auto (bf16 on CUDA, f32 on the CPU), bf16, f16, f32.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub dtype: Precision,
 }
 
 /// `troupe model` subcommands.
@@ -119,8 +125,14 @@ pub fn init_model(args: InitModelArgs) -> Result<()> {
     Ok(())
 }
 
-fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device, quantized: bool) -> Result<Model> {
-    let options = LoadOptions { path: model.map(std::path::Path::to_path_buf), quantized, ..LoadOptions::default() };
+fn load(
+    model: Option<&std::path::Path>,
+    device: &burn::tensor::Device,
+    quantized: bool,
+    dtype: Precision,
+) -> Result<Model> {
+    let path = model.map(std::path::Path::to_path_buf);
+    let options = LoadOptions { path, quantized, dtype, ..LoadOptions::default() };
     Model::load(&options, device).with_context(|| match model {
         Some(path) => format!("loading model {}", path.display()),
         None => "building the built-in model".to_string(),
@@ -129,7 +141,7 @@ fn load(model: Option<&std::path::Path>, device: &burn::tensor::Device, quantize
 
 /// Runs `troupe logprobs`.
 pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()> {
-    let model = load(args.model.as_deref(), device, args.quantized)?;
+    let model = load(args.model.as_deref(), device, args.quantized, args.dtype)?;
     let input_ids = model.tokenizer.encode(&args.text)?;
     // Before the model runs: attention's memory grows with the square of the token count.
     let context = model.lm.config.max_position_embeddings;
@@ -172,7 +184,7 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         anyhow::bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
-    let model = load(args.model.as_deref(), device, args.quantized)?;
+    let model = load(args.model.as_deref(), device, args.quantized, args.dtype)?;
     let prompt = if args.chat {
         model
             .tokenizer

@@ -1,7 +1,7 @@
 //! The building blocks of the decoder: a frozen linear projection, RMSNorm, rotary embeddings,
 //! and the hook through which adapters add their low-rank deltas.
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, FloatDType, Int, Tensor, TensorData};
 
 use super::fused::dense_linear;
 use super::host::transpose_host;
@@ -127,8 +127,9 @@ pub trait ProjectionDelta {
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum LinearWeight {
-    /// `W` in f32: `[out_features, in_features]` row-major, as checkpoints store it (the GEMM
-    /// reads it as a transposed view; a decoding step's few-row product reads its rows).
+    /// `W` in f32, bf16 or f16 (`model.dtype`): `[out_features, in_features]` row-major, as
+    /// checkpoints store it (the GEMM reads it as a transposed view; a decoding step's few-row
+    /// product reads its rows).
     Dense(Tensor<2>),
     /// `W` (`[out_features, in_features]`) kept in block formats ([`super::quant`]).
     Quantized(QuantizedWeight),
@@ -138,9 +139,9 @@ pub enum LinearWeight {
 /// be stacked along `out` (q/k/v, gate/up) so they run as one product.
 #[derive(Clone, Debug)]
 pub struct FrozenLinear {
-    /// The weight, in f32 or kept quantized.
+    /// The weight, in floats or kept quantized.
     pub weight: LinearWeight,
-    /// `[out_features]`
+    /// `[out_features]`, in f32 (added to the f32 result).
     pub bias: Option<Tensor<1>>,
 }
 
@@ -151,11 +152,35 @@ pub struct WeightLoader<'a> {
     pub source: &'a dyn WeightSource,
     /// Where the weights go.
     pub device: &'a Device,
-    /// f32, or kept quantized.
+    /// Floats, or kept quantized.
     pub format: BaseFormat,
+    /// The dtype of the float matrices (projections, embedding, LM head); f32 when quantized.
+    pub dtype: FloatDType,
+}
+
+/// `values` (row-major `shape`) on `device` in `dtype` (rounded to nearest, ties to even).
+pub(crate) fn float_tensor<const D: usize>(
+    values: Vec<f32>,
+    shape: [usize; D],
+    device: &Device,
+    dtype: FloatDType,
+) -> Tensor<D> {
+    let data = TensorData::new(values, shape);
+    match dtype {
+        FloatDType::F32 => Tensor::from_data(data, device),
+        other => {
+            let dtype = DType::from(other);
+            Tensor::from_data(data.convert_dtype(dtype), (device, dtype))
+        }
+    }
 }
 
 impl WeightLoader<'_> {
+    /// The float matrix `name` (`[rows, cols]`) on the device in the loader's dtype.
+    pub(crate) fn dense(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor<2>> {
+        Ok(float_tensor(self.source.read(name, &[rows, cols])?.values, [rows, cols], self.device, self.dtype))
+    }
+
     /// The matrix `name` (`[rows, cols]`) as the base keeps it: f32 `W^T`, or its stored block
     /// format (a float matrix becomes Q8_0, see [`quant::quantize_float_matrix`]).
     pub(crate) fn matrix_part(&self, name: &str, rows: usize, cols: usize) -> Result<BlockMatrix> {
@@ -200,7 +225,7 @@ impl FrozenLinear {
                 for (prefix, &out) in prefixes.iter().zip(out_features) {
                     stacked.extend(loader.source.read(&format!("{prefix}.weight"), &[out, in_features])?.values);
                 }
-                LinearWeight::Dense(Tensor::from_data(TensorData::new(stacked, [total, in_features]), loader.device))
+                LinearWeight::Dense(float_tensor(stacked, [total, in_features], loader.device, loader.dtype))
             }
             BaseFormat::Quantized => {
                 let parts = prefixes
@@ -222,7 +247,8 @@ impl FrozenLinear {
         }
     }
 
-    /// `W^T` (`[in_features, out_features]`) in f32, dequantized when kept quantized.
+    /// `W^T` (`[in_features, out_features]`) as held (f32 or `model.dtype`), dequantized to f32
+    /// when kept quantized.
     pub fn dense_t(&self) -> Tensor<2> {
         match &self.weight {
             LinearWeight::Dense(weight) => weight.clone().transpose(),
@@ -256,12 +282,15 @@ impl FrozenLinear {
     /// Bytes the weight and bias take in memory.
     pub fn bytes(&self) -> usize {
         let weight = match &self.weight {
-            LinearWeight::Dense(weight) => 4 * weight.dims().iter().product::<usize>(),
+            LinearWeight::Dense(weight) => weight.dtype().size() * weight.dims().iter().product::<usize>(),
             LinearWeight::Quantized(weight) => weight.bytes(),
         };
         weight + self.bias.as_ref().map_or(0, |b| 4 * b.dims()[0])
     }
 
+    /// `x` in f32 and so is the result; a weight held in bf16 or f16 multiplies `x` rounded to
+    /// its type, accumulating in f32, the product rounded to it ([`dense_linear`]).
+    ///
     /// # Shapes
     /// `x`: `[rows, in]` -> `[rows, out]`
     pub fn forward_2d(&self, x: Tensor<2>) -> Tensor<2> {

@@ -24,7 +24,7 @@ use burn::tensor::Device;
 pub use builtin::Preset;
 pub use config::{ModelConfig, ModelType};
 pub use layers::{Projection, ProjectionDelta};
-pub use load::LoadOptions;
+pub use load::{LoadOptions, Precision};
 pub use quant::BaseFormat;
 pub use tokenizer::{ChatMessage, TextTokenizer};
 pub use transformer::{AttentionLayout, CausalLm, ForwardArgs, KvCache, SequenceLayout};
@@ -47,11 +47,17 @@ pub struct Model {
 
 impl Model {
     /// Loads the model `options` name onto `device`: a Hugging Face model directory or a GGUF
-    /// file, or the built-in model of a preset and seed; the base in f32 or kept quantized (a
-    /// GGUF file's own block types, Q8_0 made from float weights). `options.device` is the
-    /// caller's to parse ([`crate::device::parse_device`]).
+    /// file, or the built-in model of a preset and seed; the base's matrices in
+    /// `options.dtype` (resolved for `device`: [`Precision::resolve`]) or kept quantized (a GGUF
+    /// file's own block types, Q8_0 made from float weights). `options.device` is the caller's
+    /// to parse ([`crate::device::parse_device`]).
     pub fn load(options: &LoadOptions, device: &Device) -> Result<Self> {
         let format = options.format();
+        let dtype = options.dtype.resolve(device, options.quantized).map_err(|message| TroupeError::BadValue {
+            origin: None,
+            key: "model.dtype".to_string(),
+            message,
+        })?;
         let Some(path) = &options.path else {
             let preset = options.preset().map_err(|message| TroupeError::BadValue {
                 origin: None,
@@ -61,12 +67,12 @@ impl Model {
             let config = preset.config();
             let weights = builtin::init_weights(&config, options.seed);
             let source: &dyn WeightSource = &weights;
-            let lm = CausalLm::load_as(config, &WeightLoader { source, device, format })?;
+            let lm = CausalLm::load_as(config, &WeightLoader { source, device, format, dtype })?;
             return Ok(Self { lm, tokenizer: builtin::builtin_tokenizer()?, dir: None });
         };
         if gguf::is_gguf_path(path) {
             let (config, tokenizer, weights) = gguf::open(path)?;
-            let lm = CausalLm::load_as(config, &WeightLoader { source: &weights, device, format })?;
+            let lm = CausalLm::load_as(config, &WeightLoader { source: &weights, device, format, dtype })?;
             return Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) });
         }
         if path.is_file() {
@@ -87,16 +93,18 @@ impl Model {
         let config = ModelConfig::from_file(&path.join("config.json"))?;
         let store = TensorStore::open_model_dir(path)?;
         let tokenizer = TextTokenizer::from_model_dir(path, &config.eos_token_ids)?;
-        let lm = CausalLm::load_as(config, &WeightLoader { source: &store, device, format })?;
+        let lm = CausalLm::load_as(config, &WeightLoader { source: &store, device, format, dtype })?;
         Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) })
     }
 
-    /// A Hugging Face model directory or a GGUF file, its base in f32 ([`Model::load`]).
+    /// A Hugging Face model directory or a GGUF file, its base in `auto` precision (f32 on the
+    /// CPU, bf16 on CUDA) ([`Model::load`]).
     pub fn from_path(path: &Path, device: &Device) -> Result<Self> {
         Self::load(&LoadOptions::path(path), device)
     }
 
-    /// The built-in model of `preset`, initialised from `seed`, in f32 ([`Model::load`]).
+    /// The built-in model of `preset`, initialised from `seed`, in `auto` precision (f32 on the
+    /// CPU, bf16 on CUDA) ([`Model::load`]).
     pub fn builtin(preset: Preset, seed: u64, device: &Device) -> Result<Self> {
         Self::load(&LoadOptions::builtin(preset, seed), device)
     }

@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 
 use super::config::{ModelConfig, ModelType};
 use super::fused::{attention, swiglu_stacked, HostMask};
@@ -276,6 +276,9 @@ pub struct CausalLm {
     pub lm_head: FrozenLinear,
     rope: RotaryEmbedding,
     device: Device,
+    /// The fingerprint of the f32 weights of a base held in bf16 or f16, taken at load
+    /// ([`super::fingerprint::base_fingerprint`]); `None` for a base in f32 or kept quantized.
+    source_fingerprint: Option<String>,
 }
 
 /// Per-call inputs besides the tokens.
@@ -453,7 +456,7 @@ impl CausalLm {
     /// Builds the model from `config` and the weights in `source` (Hugging Face tensor names),
     /// checking that every tensor exists with the shape the config implies.
     pub fn load(config: ModelConfig, source: &dyn WeightSource, device: &Device) -> Result<Self> {
-        Self::load_as(config, &WeightLoader { source, device, format: BaseFormat::F32 })
+        Self::load_as(config, &WeightLoader { source, device, format: BaseFormat::F32, dtype: FloatDType::F32 })
     }
 
     /// [`CausalLm::load`] in the form `loader.format` asks for: f32, or kept quantized (CPU only).
@@ -464,7 +467,7 @@ impl CausalLm {
         let head_name = if config.tie_word_embeddings { embedding_name } else { "lm_head.weight" };
         let (embed_tokens, lm_head) = match loader.format {
             BaseFormat::F32 => {
-                let table = source.load::<2>(embedding_name, [v, h], device)?;
+                let table = loader.dense(embedding_name, v, h)?;
                 // A tied head is the embedding's own tensor: both are `[vocab, hidden]`.
                 let lm_head = if config.tie_word_embeddings {
                     FrozenLinear { weight: LinearWeight::Dense(table.clone()), bias: None }
@@ -510,10 +513,27 @@ impl CausalLm {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(source, "model.norm", h, config.rms_norm_eps, device)?;
         let rope = RotaryEmbedding::new(config.head_dim, config.rope_theta, config.max_position_embeddings, device);
-        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope, device: device.clone() })
+        let source_fingerprint = match (loader.format, loader.dtype) {
+            (BaseFormat::F32, FloatDType::F32) | (BaseFormat::Quantized, _) => None,
+            _ => Some(super::fingerprint::source_fingerprint(&config, source)?),
+        };
+        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope, device: device.clone(), source_fingerprint })
     }
 
-    /// Bytes the weights take in memory (matrices in f32 or in their kept block formats; a tied
+    /// The dtype the base's float matrices are held in (`model.dtype`); f32 when kept quantized.
+    pub fn dtype(&self) -> DType {
+        match &self.lm_head.weight {
+            LinearWeight::Dense(weight) => weight.dtype(),
+            LinearWeight::Quantized(_) => DType::F32,
+        }
+    }
+
+    /// The fingerprint of the f32 weights of a base held in bf16 or f16, taken at load.
+    pub(crate) fn source_fingerprint(&self) -> Option<&str> {
+        self.source_fingerprint.as_deref()
+    }
+
+    /// Bytes the weights take in memory (matrices in their dtype or kept block formats; a tied
     /// LM head, which shares the embedding's tensor or blocks, counted once).
     pub fn weight_bytes(&self) -> usize {
         let norm = |n: &RmsNorm| 4 * n.weight.dims()[0];

@@ -9,6 +9,11 @@
 //! output once. The call (`gemm::gemm`, the same parallelism threshold) and the backward
 //! (`dx = dy W`) are burn's, so the results are identical bit for bit to `x.matmul(W^T)`
 //! (tested).
+//!
+//! A weight held in bf16 or f16 (`model.dtype`) is widened to f32 per product (in parallel; the
+//! CPU has no faster bf16 GEMM here), and the product is that of burn's matmul in the weight's
+//! type on CUDA: the input rounded to it, f32 accumulation, the result rounded to it and handed
+//! back in f32. The backward multiplies by the widened weight.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -17,9 +22,10 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Autodiff, Dispatch, Flex};
-use burn::tensor::{DType, Tensor, TensorData};
+use burn::tensor::{bf16, f16, DType, FloatDType, Tensor, TensorData};
+use rayon::prelude::*;
 
-use super::{gemm_f32, on_flex, positive_strides};
+use super::{gemm_f32, on_flex, positive_strides, MIN_PARALLEL_ELEMENTS};
 
 /// Products of at least this many multiply-adds (`m n k`) run on every core: burn's threshold.
 const PARALLEL_THRESHOLD: usize = 192 * 192 * 192;
@@ -102,17 +108,79 @@ fn product(lhs: Operand<'_>, rhs: Operand<'_>) -> FlexTensor {
     FlexTensor::from_data(TensorData::new(out, [m, n]))
 }
 
+/// `weight` widened to f32 (a new row-major tensor) when held in bf16 or f16; as it is in f32.
+fn widened(weight: FlexTensor) -> FlexTensor {
+    fn widen<T: Copy + Sync>(values: &[T], to_f32: impl Fn(T) -> f32 + Sync) -> Vec<f32> {
+        let mut out = vec![0.0f32; values.len()];
+        out.par_chunks_mut(MIN_PARALLEL_ELEMENTS).zip(values.par_chunks(MIN_PARALLEL_ELEMENTS)).for_each(
+            |(out, values)| {
+                for (o, &v) in out.iter_mut().zip(values) {
+                    *o = to_f32(v);
+                }
+            },
+        );
+        out
+    }
+    let dtype = weight.dtype();
+    if dtype == DType::F32 {
+        return weight;
+    }
+    let weight = if weight.is_contiguous() { weight } else { weight.to_contiguous() };
+    let shape = weight.layout().shape().clone();
+    let span = weight.layout().start_offset()..weight.layout().start_offset() + shape.num_elements();
+    let values = match dtype {
+        DType::BF16 => widen(&weight.storage::<bf16>()[span], bf16::to_f32),
+        DType::F16 => widen(&weight.storage::<f16>()[span], f16::to_f32),
+        other => unreachable!("dense_linear takes weights in f32, bf16 or f16, not {other:?}"),
+    };
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// Rounds every value of `values` to the nearest `dtype` value (bf16 or f16; ties to even), in
+/// parallel.
+fn round_to(values: &mut [f32], dtype: DType) {
+    let round: fn(f32) -> f32 = match dtype {
+        DType::BF16 => |v| bf16::from_f32(v).to_f32(),
+        DType::F16 => |v| f16::from_f32(v).to_f32(),
+        _ => return,
+    };
+    values.par_chunks_mut(MIN_PARALLEL_ELEMENTS).for_each(|chunk| chunk.iter_mut().for_each(|v| *v = round(*v)));
+}
+
+/// `x` as a new row-major tensor with its values rounded to `dtype`.
+fn rounded(x: FlexTensor, dtype: DType) -> FlexTensor {
+    let x = x.to_contiguous();
+    let shape = x.layout().shape().clone();
+    let start = x.layout().start_offset();
+    let mut values = x.storage::<f32>()[start..start + shape.num_elements()].to_vec();
+    round_to(&mut values, dtype);
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
 impl DenseLinearBackend for Flex {
     fn dense_linear(x: FlexTensor, weight: FlexTensor) -> FlexTensor {
-        let (x, weight) = (positive_strides(x), positive_strides(weight));
-        let (lhs, weight) = (Operand::of(&x), Operand::of(&weight));
-        if lhs.rows <= FEW_ROWS && lhs.col_stride == 1 && weight.col_stride == 1 {
-            if let Some(out) = few_rows::product(&lhs, &weight) {
-                return out;
-            }
+        let dtype = weight.dtype();
+        if dtype == DType::F32 {
+            return dense_linear_f32(x, weight);
         }
-        product(lhs, weight.transposed())
+        // The products of a weight held in bf16 or f16, as on CUDA: operands in its type, f32
+        // accumulation, the result rounded to it.
+        let mut out = dense_linear_f32(rounded(x, dtype), widened(weight));
+        round_to(out.storage_mut::<f32>(), dtype);
+        out
     }
+}
+
+/// `x W^T` for f32 operands.
+fn dense_linear_f32(x: FlexTensor, weight: FlexTensor) -> FlexTensor {
+    let (x, weight) = (positive_strides(x), positive_strides(weight));
+    let (lhs, weight) = (Operand::of(&x), Operand::of(&weight));
+    if lhs.rows <= FEW_ROWS && lhs.col_stride == 1 && weight.col_stride == 1 {
+        if let Some(out) = few_rows::product(&lhs, &weight) {
+            return out;
+        }
+    }
+    product(lhs, weight.transposed())
 }
 
 /// A product with few rows (decoding), where the GEMM spends as long packing the weight as
@@ -288,7 +356,8 @@ impl Backward<Flex, 2> for DenseLinearBackward {
         let grad = grads.consume::<Flex>(&ops.node);
         if let Some(node) = node_x {
             let grad = positive_strides(grad);
-            let dx = product(Operand::of(&grad), Operand::of(&ops.state));
+            let weight = widened(ops.state);
+            let dx = product(Operand::of(&grad), Operand::of(&weight));
             grads.register::<Flex>(node.id, dx);
         }
     }
@@ -309,15 +378,22 @@ impl<C: CheckpointStrategy> DenseLinearBackend for Autodiff<Flex, C> {
 }
 
 /// `x W^T` for a frozen `W`: straight into its output on the CPU, burn's matmul elsewhere (and
-/// for any dtype but f32); the same values either way, but for products of at most
-/// [`FEW_ROWS`] rows on the CPU, whose sums are ordered differently (within float rounding).
-/// The weight gets no gradient.
+/// for an input in another dtype than f32); the same values either way, but for products of at
+/// most [`FEW_ROWS`] rows on the CPU, whose sums are ordered differently (within float
+/// rounding). A weight held in bf16 or f16 multiplies `x` rounded to its type and the product
+/// is rounded to it (f32 accumulation), the result in `x`'s dtype. The weight gets no gradient.
 ///
 /// # Shapes
 /// `x`: `[m, in]`, `weight`: `[out, in]` -> `[m, out]`
 pub fn dense_linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
-    if !on_flex(&x) || x.dtype() != DType::F32 || weight.dtype() != DType::F32 {
-        return x.matmul(weight.clone().transpose());
+    let low_precision = matches!(weight.dtype(), DType::BF16 | DType::F16);
+    if !on_flex(&x) || x.dtype() != DType::F32 || !(weight.dtype() == DType::F32 || low_precision) {
+        if weight.dtype() == x.dtype() {
+            return x.matmul(weight.clone().transpose());
+        }
+        // burn's matmul in the weight's dtype (on CUDA: f32 accumulation), the result back in x's.
+        let dtype = FloatDType::from(x.dtype());
+        return x.cast(weight.dtype()).matmul(weight.clone().transpose()).cast(dtype);
     }
     Tensor::from_dispatch(<Dispatch as DenseLinearBackend>::dense_linear(
         x.into_dispatch(),

@@ -51,7 +51,8 @@ use rows::InputRow;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum BaseFormat {
-    /// Every weight dequantized to f32 (the default).
+    /// Float matrices: f32 (the default), or bf16 / f16 as `model.dtype` asks; the name is
+    /// kept from before the precision was a choice.
     #[default]
     F32,
     /// Projections, embedding and LM head kept in a block format (`--quantized`).
@@ -431,7 +432,7 @@ pub fn check_device(device: &Device) -> Result<()> {
 #[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum TokenEmbedding {
-    /// `[vocab, hidden]` in f32.
+    /// `[vocab, hidden]` in f32, bf16 or f16 (`model.dtype`).
     Dense(Tensor<2>),
     /// `[vocab, hidden]` kept quantized (shared with a tied LM head).
     Quantized(QuantizedWeight),
@@ -452,7 +453,10 @@ impl TokenEmbedding {
     /// `tokens`: `[batch, seq]` -> `[batch, seq, hidden]`
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         match self {
-            TokenEmbedding::Dense(table) => burn::tensor::module::embedding(table.clone(), tokens),
+            // A table held in bf16 or f16 gives its rows widened to f32, exactly.
+            TokenEmbedding::Dense(table) => {
+                burn::tensor::module::embedding(table.clone(), tokens).cast(burn::tensor::FloatDType::F32)
+            }
             TokenEmbedding::Quantized(table) => {
                 let [batch, seq] = tokens.dims();
                 let device = tokens.device();
@@ -490,7 +494,7 @@ impl TokenEmbedding {
     /// Bytes the table takes in memory.
     pub fn bytes(&self) -> usize {
         match self {
-            TokenEmbedding::Dense(table) => 4 * table.dims().iter().product::<usize>(),
+            TokenEmbedding::Dense(table) => table.dtype().size() * table.dims().iter().product::<usize>(),
             TokenEmbedding::Quantized(table) => table.bytes(),
         }
     }

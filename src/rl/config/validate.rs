@@ -108,6 +108,9 @@ impl TrainConfig {
             };
             return refuse("model.device", message);
         }
+        if let Err(message) = self.model.dtype.check(self.model.quantized) {
+            return refuse("model.dtype", message);
+        }
         Ok(())
     }
 
