@@ -55,6 +55,41 @@ fn dense_linear_equals_burn_matmul_bit_for_bit() {
     }
 }
 
+/// A weight held in bf16 or f16 (`model.dtype`): the CPU's product is burn's own matmul in that
+/// dtype (input rounded to it, f32 accumulation, result rounded to it; burn's flex backend widens
+/// both operands and calls the same GEMM), bit for bit above the few-row sizes, and within one
+/// rounding step of it below; the backward is `dy W` with the widened weight.
+#[test]
+fn a_bf16_or_f16_weight_multiplies_as_burn_matmul_in_its_dtype() {
+    let device = Device::flex();
+    let grad_device = device.clone().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for dtype in [burn::tensor::DType::BF16, burn::tensor::DType::F16] {
+        for (m, k, n) in [(40, 64, 24), (300, 256, 384), (3, 64, 50)] {
+            let weight = random(&mut rng, [n, k], 0.5, &device).cast(dtype);
+            let x = random(&mut rng, [m, k], 1.0, &device);
+            let got = dense_linear(x.clone(), &weight);
+            assert_eq!(got.dtype(), burn::tensor::DType::F32, "the result is in x's dtype");
+            let want = values(x.clone().cast(dtype).matmul(weight.clone().transpose()).cast(burn::tensor::DType::F32));
+            let got = values(got);
+            if m > troupe::model::fused::linear::FEW_ROWS {
+                assert_eq!(got, want, "{dtype:?} {m}x{k}x{n}");
+            } else {
+                // The few-row kernel sums in another order: at most one step of the dtype apart.
+                let step = if dtype == burn::tensor::DType::BF16 { 1.0 / 128.0 } else { 1.0 / 1024.0 };
+                let worst = worst_relative_error(&got, &want);
+                assert!(worst <= step, "{dtype:?} {m}x{k}x{n}: {worst}");
+            }
+            let dy = random(&mut rng, [m, n], 1.0, &grad_device);
+            let input = Tensor::<2>::from_data(x.to_data(), &grad_device).require_grad();
+            let grads = (dense_linear(input.clone(), &weight) * dy.clone()).sum().backward();
+            let dx = values(input.grad(&grads).expect("x gets a gradient"));
+            let widened = Tensor::<2>::from_data(weight.clone().cast(burn::tensor::DType::F32).to_data(), &grad_device);
+            assert_eq!(dx, values(dy.matmul(widened)), "dx, {dtype:?} {m}x{k}x{n}");
+        }
+    }
+}
+
 #[test]
 fn few_row_products_match_burn_matmul() {
     let device = Device::flex();
