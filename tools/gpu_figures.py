@@ -16,7 +16,11 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   length reward, 2 agents x `--groups` x `--group-size` replies of `--new-tokens` tokens, and
   TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
   seconds per iteration / step after the first.
-Writes `--out`: the machine, the versions, every raw figure and the troupe / peer ratios, each as
+Every part runs in `--dtype` (bf16 on cuda, f32 on the CPU by default): troupe's benchmarks with
+`TROUPE_DTYPE`, `troupe train` with `--set model.dtype=`, and the peers with their `--dtype`
+(PyTorch with SDPA and PEFT, TRL with its bf16 mixed precision; `peer_bench.py`,
+`trl_grpo_peer.py`).
+Writes `--out`: the machine, the versions, the dtype, every raw figure and the troupe / peer ratios, each as
 the list over repetitions. `--quick` shrinks everything (criterion's shortest run, the tiny preset,
 a 2 x 1 x 2 x 8 iteration) to check the script end to end, not to measure.
 """
@@ -79,7 +83,7 @@ def troupe_kernels(args, criterion_dir):
     peer reports) and the mixed batch's K=8 / K=1 time."""
     features = ["--features", "cuda"] if args.device.startswith("cuda") else []
     quick = ["--warm-up-time", "1", "--measurement-time", "1"] if args.quick else []
-    env = {"TROUPE_DEVICE": args.device, "CARGO_TARGET_DIR": args.target_dir}
+    env = {"TROUPE_DEVICE": args.device, "TROUPE_DTYPE": args.dtype, "CARGO_TARGET_DIR": args.target_dir}
     run(["cargo", "bench", *features, "--bench", "model", "--", "small", *quick], env)
     run(["cargo", "bench", *features, "--bench", "adapters", "--", "lora_train_step|mixed32x64_forward/one_pass",
          *quick], env)
@@ -99,7 +103,7 @@ def troupe_kernels(args, criterion_dir):
 def troupe_iteration(args, model_dir, work, rep):
     out_dir = os.path.join(work, f"run{rep}")
     reward = f"[{{name: external, command: [{args.reward_python}, python/examples/length_reward.py], weight: 1.0}}]"
-    sets = {"model.path": model_dir, "model.device": args.device, "run.out_dir": out_dir,
+    sets = {"model.path": model_dir, "model.device": args.device, "model.dtype": args.dtype, "run.out_dir": out_dir,
             "run.iterations": args.iterations, "run.checkpoint_every": 1000,
             "training.groups_per_iteration": args.groups, "training.group_size": args.group_size,
             "action.max_new_tokens": args.new_tokens, "rewards.functions": reward}
@@ -120,7 +124,7 @@ def trl_iteration(args, model_dir):
     cmd = [args.python, "tools/trl_grpo_peer.py", model_dir, "envs/data/writing_posts.jsonl",
            "--steps", str(args.iterations), "--threads", str(args.threads), "--prompts",
            str(AGENTS * args.groups), "--gens", str(args.group_size), "--new", str(args.new_tokens),
-           "--device", args.device]
+           "--device", args.device, "--dtype", args.dtype]
     return last_json(run(cmd, log=subprocess.DEVNULL), "trl_grpo_peer.py")
 
 
@@ -136,6 +140,8 @@ def ratios(ours, peer, higher_is_better):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    p.add_argument("--dtype", choices=["bf16", "f32"],
+                   help="precision of troupe's base and the peers' model (default: bf16 on cuda, f32 on the CPU)")
     p.add_argument("--python", default=sys.executable, help="a Python with torch, transformers, peft, trl")
     p.add_argument("--reward-python", default="python3", help="the Python that serves troupe's length reward")
     p.add_argument("--troupe", default=os.path.join(ROOT, "target/release/troupe"))
@@ -154,9 +160,12 @@ def main():
     if args.quick:
         args.preset, args.reps, args.iterations = "tiny", 1, 2
         args.groups, args.group_size, args.new_tokens = 1, 2, 8
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device.startswith("cuda") else "f32"
     if not os.access(args.troupe, os.X_OK):
         sys.exit(f"error: --troupe {args.troupe}: no such executable (cargo build --release first)")
-    result = {"machine": machine(args.device, args.python), "device": args.device, "quick": args.quick,
+    result = {"machine": machine(args.device, args.python), "device": args.device, "dtype": args.dtype,
+              "quick": args.quick,
               "settings": {k: getattr(args, k) for k in ("preset", "reps", "iterations", "groups",
                                                           "group_size", "new_tokens", "threads")}}
     with tempfile.TemporaryDirectory(prefix="troupe-figures-") as work:
@@ -167,7 +176,7 @@ def main():
             kernels = {"troupe": [], "pytorch": [], "ratio": []}
             for _ in range(args.reps):
                 ours = troupe_kernels(args, criterion_dir)
-                peer = last_json(run([args.python, "tools/peer_bench.py", small, "--device", args.device,
+                peer = last_json(run([args.python, "tools/peer_bench.py", small, "--device", args.device, "--dtype", args.dtype,
                                       "--threads", str(args.threads)], log=subprocess.DEVNULL), "peer_bench.py")
                 kernels["troupe"].append(ours)
                 kernels["pytorch"].append(peer)
