@@ -456,6 +456,99 @@ fn a_training_run_calls_its_external_reward_with_every_episode() {
     }
 }
 
+/// Mean and population std, as troupe's `*_std` metrics are computed.
+fn mean_std(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    (mean, (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt())
+}
+
+#[test]
+fn an_external_reward_has_its_own_metrics_in_training_and_in_eval() {
+    use troupe::rl::config::TrainConfig;
+    use troupe::rl::run::TrainingRun;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("values.jsonl");
+    // One value per episode (both seats get it); every call logs the values it gave.
+    let body = format!(
+        "values = [float(len(a) % 5) - 1.5 + 0.25 * (item['seed'] % 3) for a, item in zip(completions_agent0, batch_items)]; \
+         open({log:?}, 'a').write(json.dumps(values) + '\\n'); return values",
+        log = log.display().to_string()
+    );
+    let command = python_reward(dir.path(), &body);
+    // Unlabelled, an external function's metrics are named after its script.
+    let label = std::path::Path::new(&command[1]).file_stem().unwrap().to_str().unwrap().to_string();
+    let config_path = dir.path().join("reward.yaml");
+    let yaml = format!(
+        "run: {{out_dir: {run}, seed: 3, iterations: 2, checkpoint_every: 1}}\n\
+         env: {{name: hanabi, players: 2, observation: compact}}\n\
+         adapter: {{r: 4, lora_alpha: 8.0}}\n\
+         action: {{mode: choice, chat_template: false}}\n\
+         training: {{group_size: 2, groups_per_iteration: 2, lr: 1.0e-2, max_episode_steps: 4}}\n\
+         eval: {{every: 2, every_episodes: 3, episodes: 4, seed: 9000, max_episode_steps: 6}}\n\
+         rewards: {{functions: [{{name: env_return}}, {{name: external, command: [{python}, {script}], weight: 0.5}}]}}\n",
+        run = dir.path().join("run").display(),
+        python = command[0],
+        script = command[1],
+    );
+    std::fs::write(&config_path, &yaml).unwrap();
+    let registry = Registry::with_builtins();
+    let config = TrainConfig::from_yaml_str(&yaml, &config_path, &[], &registry).unwrap();
+    let mut run = TrainingRun::start(config, &config_path, registry, &Device::flex()).unwrap();
+    while !run.finished() {
+        run.run_iteration().unwrap();
+    }
+    drop(run);
+
+    // `troupe eval` starts the reward process too and reports the function over its episodes.
+    let out = std::process::Command::new(TROUPE)
+        .args(["eval", "--config", config_path.to_str().unwrap(), "--adapters"])
+        .arg(dir.path().join("run"))
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let eval: Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    // The calls, in order: iteration 1, iteration 2, the held-out evaluation after iteration 2
+    // (3 episodes), `troupe eval` (4 episodes).
+    let calls: Vec<Vec<f64>> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(calls.iter().map(Vec::len).collect::<Vec<_>>(), [4, 4, 3, 4], "{calls:?}");
+    let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let close = |a: &Value, b: f64| (a.as_f64().unwrap_or(f64::NAN) - b).abs() < 1e-9;
+    for (line, values) in lines.iter().zip(&calls) {
+        let (mean, std) = mean_std(values);
+        let extra = &line["extra"];
+        assert!(close(&extra[format!("rewards/{label}/mean")], mean), "{mean} {extra}");
+        assert!(close(&extra[format!("rewards/{label}/std")], std), "{std} {extra}");
+        assert!(extra.get("rewards/env_return/mean").is_some(), "every function has its key: {extra}");
+    }
+    let stderr = |values: &[f64]| {
+        let n = values.len() as f64;
+        mean_std(values).1 * (n / (n - 1.0)).sqrt() / n.sqrt()
+    };
+    let held_out = &lines[1]["extra"];
+    assert!(close(&held_out[format!("eval_rewards/{label}/mean")], mean_std(&calls[2]).0), "{held_out}");
+    assert!(close(&held_out[format!("eval_rewards/{label}/stderr")], stderr(&calls[2])), "{held_out}");
+    assert!(lines[0]["extra"].get(format!("eval_rewards/{label}/mean")).is_none(), "no evaluation at iteration 1");
+    let reported = &eval["rewards"][&label];
+    assert!(close(&reported["mean"], mean_std(&calls[3]).0), "{eval}");
+    assert!(close(&reported["stderr"], stderr(&calls[3])), "{eval}");
+    assert!(eval["rewards"].get("env_return").is_some(), "{eval}");
+
+    // TensorBoard and W&B get the same keys (TRL's names).
+    let line: troupe::rl::run::metrics::IterationMetrics = serde_json::from_value(lines[1].clone()).unwrap();
+    let scalars: std::collections::BTreeMap<String, f64> =
+        troupe::rl::run::tracking::trl_scalars(&line).into_iter().collect();
+    assert_eq!(scalars[&format!("rewards/{label}/mean")], line.extra[&format!("rewards/{label}/mean")]);
+    assert!(scalars.contains_key(&format!("eval/rewards/{label}/stderr")), "{scalars:?}");
+}
+
 #[test]
 fn an_environment_that_refuses_its_own_legal_action_stops_the_rollout_with_a_named_error() {
     let device = Device::flex();

@@ -316,6 +316,11 @@ fn evaluate_rewards(run: &TrainingRun, episodes: Option<usize>) -> troupe::Resul
     }
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
     let score = MeanStderr::of(&scores);
+    let mut functions = serde_json::Map::new();
+    for (label, values) in t.credit().function_values(&t.model.tokenizer, &records, &[])? {
+        let m = MeanStderr::of(&values);
+        functions.insert(label, json!({"mean": m.mean, "stderr": m.stderr}));
+    }
     let decode = |ids: &[u32]| t.model.tokenizer.decode(ids, true);
     let mut samples = Vec::new();
     for record in records.iter().take(3) {
@@ -327,6 +332,7 @@ fn evaluate_rewards(run: &TrainingRun, episodes: Option<usize>) -> troupe::Resul
         "episodes": count,
         "first_seed": config.eval.seed,
         "reward": per_agent,
+        "rewards": functions,
         "score": {"mean": score.mean, "stderr": score.stderr},
         "samples": samples,
     }))
