@@ -630,6 +630,59 @@ fn what_an_environment_starts_in_its_group_ends_with_it() {
 }
 
 #[test]
+#[cfg(target_os = "linux")]
+fn a_descendant_that_left_the_group_ends_with_its_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("daemon.pid");
+    // The environment's child moves to a session of its own (`setsid`) and forks the daemon,
+    // which the group kill cannot reach; then the child exits, orphaning it.
+    let daemon = format!(
+        r#"python3 -c 'import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open("{pid}.tmp", "w").write(str(os.getpid())); os.rename("{pid}.tmp", "{pid}"); time.sleep(1000)
+    os._exit(0)
+os.wait()'"#,
+        pid = pid_file.display()
+    );
+    let script =
+        format!(r#"{daemon}; {HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE}]}}}}'; read l; sleep 1000"#);
+    let daemon_pid = |pid_file: &std::path::Path| -> u32 {
+        let started = Instant::now();
+        loop {
+            if let Some(pid) = std::fs::read_to_string(pid_file).ok().and_then(|t| t.trim().parse().ok()) {
+                return pid;
+            }
+            assert!(started.elapsed() < Duration::from_secs(20), "the daemon never started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let session = |pid: u32| -> String {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        stat.rsplit(')').next().unwrap().split_whitespace().nth(3).unwrap().to_string()
+    };
+
+    // A normal end: the environment dropped.
+    let env = scripted_with(&script, json!({})).unwrap();
+    let pid = daemon_pid(&pid_file);
+    assert!(!gone(pid));
+    assert_ne!(session(pid), session(std::process::id()), "the daemon left troupe's session");
+    drop(env);
+    assert!(wait_gone(pid), "the daemon outlived its environment's end");
+
+    // A kill over a timeout.
+    std::fs::remove_file(&pid_file).unwrap();
+    let mut env = scripted_with(&script, json!({"timeout_s": 0.5})).unwrap();
+    let pid = daemon_pid(&pid_file);
+    reset_all(std::slice::from_mut(&mut env), &[1]).unwrap();
+    let err = env.step(&[Action::Id(0)]).unwrap_err().to_string();
+    assert!(err.contains("no answer to `step`"), "{err}");
+    assert!(wait_gone(pid), "the daemon outlived a timeout kill");
+    drop(env);
+}
+
+#[test]
 fn an_illegal_action_is_named_by_its_text() {
     let refusing = format!(
         r#"{HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE}]}}}}'; read l; echo '{{"id":2,"result":{{"results":[{{"error":"the deck is empty"}}]}}}}'; sleep 5"#
