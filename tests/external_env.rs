@@ -683,6 +683,22 @@ os.wait()'"#,
 }
 
 #[test]
+fn metric_keys_that_change_between_episodes_stop_the_run_by_name() {
+    let other = STATE.replace(r#"{"score":0.0}"#, r#"{"score":0.0,"bonus":1.0}"#);
+    let script = format!(r#"{HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE},{other}]}}}}'; sleep 5"#);
+    // Two episodes of one process (one registry, the same parameters), reset in one exchange.
+    let registry = Registry::with_builtins();
+    let params = json!({"command": ["sh", "-c", script], "timeout_s": 5.0});
+    let mut envs = vec![registry.make("external", &params).unwrap(), registry.make("external", &params).unwrap()];
+    let err = reset_all(&mut envs, &[7, 8]).unwrap_err().to_string();
+    assert!(
+        err.contains("(seed 8): `metrics` has the keys [\"bonus\", \"score\"], but the first state had [\"score\"]"),
+        "{err}"
+    );
+    assert!(err.contains("keep the same metric keys"), "{err}");
+}
+
+#[test]
 fn an_illegal_action_is_named_by_its_text() {
     let refusing = format!(
         r#"{HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE}]}}}}'; read l; echo '{{"id":2,"result":{{"results":[{{"error":"the deck is empty"}}]}}}}'; sleep 5"#

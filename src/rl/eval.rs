@@ -94,7 +94,7 @@ pub struct EvalSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub protocols: Option<Vec<ProtocolSummary>>,
     /// Every episode metric the environment reports (`score`, `lives_lost`, `plays`, ...), as
-    /// a mean with its standard error over the episodes.
+    /// a mean with its standard error over the episodes that report it.
     pub metrics: BTreeMap<String, MeanStderr>,
     /// Every configured reward function (`rewards.functions`, external ones included), by its
     /// label: its unweighted value, averaged over the seats the agents play, as a mean with its
@@ -187,7 +187,8 @@ pub fn evaluate(
     let metrics = names
         .into_iter()
         .map(|name| {
-            let values: Vec<f64> = records.iter().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
+            // Over the episodes that report the metric.
+            let values: Vec<f64> = records.iter().filter_map(|e| e.metrics.get(name).copied()).collect();
             (name.clone(), MeanStderr::of(&values))
         })
         .collect();
@@ -209,7 +210,8 @@ pub fn evaluate(
             let agent_played: Vec<SeatId> =
                 (0..config.agents.seats.len()).filter(|seat| !config.eval.baseline_seats.contains_key(seat)).collect();
             credit
-                .function_values(&model.tokenizer, &records, &agent_played)?
+                .score_episodes(&model.tokenizer, &records, &agent_played)?
+                .functions
                 .into_iter()
                 .map(|(label, values)| (label, MeanStderr::of(&values)))
                 .collect()

@@ -157,6 +157,9 @@ pub(crate) struct Backend {
     next_episode: AtomicU64,
     /// Episodes dropped since the last exchange: sent as one `close` before the next request.
     closed: Mutex<Vec<u64>>,
+    /// The metric keys of the first state the process sent, which every later state must
+    /// repeat (envs/README.md: "keep the same keys in every episode").
+    metric_keys: Mutex<Option<Vec<String>>>,
 }
 
 impl Backend {
@@ -190,6 +193,7 @@ impl Backend {
             process: Mutex::new(process),
             next_episode: AtomicU64::new(0),
             closed: Mutex::new(Vec::new()),
+            metric_keys: Mutex::new(None),
         })
     }
 
@@ -221,6 +225,27 @@ impl Backend {
         }
     }
 
+    /// Checks a state the process sent (`place` names its episode in the error): its shape
+    /// ([`WireState::check`]) and its metric keys, which must be those of the first state.
+    fn check_state(&self, method: &str, state: &WireState, place: &str) -> Result<(), EnvError> {
+        state.check(self.num_seats).map_err(|m| self.protocol_error(method, format!("{place}: {m}")))?;
+        let keys: Vec<&String> = state.metrics.keys().collect();
+        let mut first = self.metric_keys.lock().unwrap_or_else(|e| e.into_inner());
+        match first.as_ref() {
+            None => *first = Some(keys.into_iter().cloned().collect()),
+            Some(expected) if keys.iter().copied().eq(expected.iter()) => {}
+            Some(expected) => {
+                let message = format!(
+                    "{place}: `metrics` has the keys {keys:?}, but the first state had {expected:?} \
+                     (keep the same metric keys in every state)"
+                );
+                drop(first);
+                return Err(self.protocol_error(method, message));
+            }
+        }
+        Ok(())
+    }
+
     /// Resets `(episode, seed)` pairs in one exchange; one checked state per pair.
     fn reset(&self, entries: &[(u64, u64)]) -> Result<Vec<WireState>, EnvError> {
         let episodes: Vec<Value> =
@@ -235,9 +260,7 @@ impl Backend {
             return Err(self.protocol_error("reset", message));
         }
         for (state, &(episode, seed)) in states.states.iter().zip(entries) {
-            state
-                .check(self.num_seats)
-                .map_err(|m| self.protocol_error("reset", format!("episode {episode} (seed {seed}): {m}")))?;
+            self.check_state("reset", state, &format!("episode {episode} (seed {seed})"))?;
         }
         Ok(states.states)
     }
@@ -270,9 +293,7 @@ impl Backend {
                         let message = format!("episode {episode}: rewards {rewards:?} for {} seats", self.num_seats);
                         return Err(self.protocol_error("step", message));
                     }
-                    state
-                        .check(self.num_seats)
-                        .map_err(|m| self.protocol_error("step", format!("episode {episode}: {m}")))?;
+                    self.check_state("step", &state, &format!("episode {episode}"))?;
                     out.push(Ok((rewards, state)));
                 }
             }

@@ -48,9 +48,18 @@ pub struct Credited {
     pub shaped: ShapedRewards,
 }
 
+/// What [`Credit::score_episodes`] gives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpisodeScores {
+    /// Every seat's processed reward: `[episode][seat]`.
+    pub rewards: Vec<Vec<f64>>,
+    /// Each reward function by label, with its value for each episode.
+    pub functions: Vec<(String, Vec<f64>)>,
+}
+
 /// The credit phase's statistics: per agent, the mean and std over episodes of the summed
 /// shaped rewards of the seats it plays (penalties included); per reward function, the mean and
-/// std over episodes of its own value ([`Credit::function_values`]).
+/// std over episodes of its own value ([`Credit::score_episodes`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CreditStats {
     /// Per agent: mean return.
@@ -196,35 +205,29 @@ impl Credit {
         Ok(values)
     }
 
-    /// Every seat's reward for each of `episodes` under the configured pipeline (reward
-    /// functions, weights and processors, summed over the episode's steps): `[episode][seat]`,
-    /// what an evaluation of the trained reward reports.
-    pub fn episode_rewards(&self, tokenizer: &TextTokenizer, episodes: &[EpisodeRecord]) -> Result<Vec<Vec<f64>>> {
+    /// What the reward pipeline gives each of `episodes` (what an evaluation of the trained
+    /// reward reports), with one exchange per external function: every seat's reward (reward
+    /// functions, weights and processors, summed over the episode's steps), and each reward
+    /// function's own value per episode, by label, in the pipeline's order: the mean of its
+    /// unweighted values over `seats` (the seats the agents play; every seat when empty).
+    pub fn score_episodes(
+        &self,
+        tokenizer: &TextTokenizer,
+        episodes: &[EpisodeRecord],
+        seats: &[usize],
+    ) -> Result<EpisodeScores> {
         let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
         let computed = self.computed_reward_values(tokenizer, &refs)?;
-        episodes
+        let rewards = episodes
             .iter()
             .zip(&computed)
             .map(|(e, values)| {
                 let shaped = shaped_step_rewards(e, &self.rewards, values)?;
                 Ok(shaped.iter().map(|steps| steps.iter().sum()).collect())
             })
-            .collect()
-    }
-
-    /// Each reward function's own value for each of `episodes`, by label, in the pipeline's
-    /// order: an episode's value is the mean of the function's unweighted values over `seats`
-    /// (the seats the agents play; every seat when `seats` is empty). What `troupe eval` reports
-    /// per function; external functions are called once with every episode.
-    pub fn function_values(
-        &self,
-        tokenizer: &TextTokenizer,
-        episodes: &[EpisodeRecord],
-        seats: &[usize],
-    ) -> Result<Vec<(String, Vec<f64>)>> {
-        let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
-        let computed = self.computed_reward_values(tokenizer, &refs)?;
-        function_episode_values(&self.rewards, &refs, &computed, seats)
+            .collect::<Result<_>>()?;
+        let functions = function_episode_values(&self.rewards, &refs, &computed, seats)?;
+        Ok(EpisodeScores { rewards, functions })
     }
 
     /// The credit phase: every episode's rewards shaped per step and seat, discounted into each
