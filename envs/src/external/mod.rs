@@ -335,6 +335,8 @@ pub struct ExternalEnv {
 /// The latest state, or why there is none.
 struct View {
     state: WireState,
+    /// What went wrong with the process (without the "external environment COMMAND:" that
+    /// [`EnvError::External`] puts before it).
     failure: Option<String>,
 }
 
@@ -350,14 +352,23 @@ impl ExternalEnv {
         &self.backend.command
     }
 
-    /// Why the environment cannot go on (the process failed), if it cannot.
+    /// Why the environment cannot go on (the process failed), if it cannot: the message of
+    /// the [`EnvError::External`] that names the command.
     pub fn failure(&self) -> Option<String> {
         self.view.borrow().failure.clone()
     }
 
+    /// The failure as the error an action gets, naming the command once.
+    fn failed_action(&self, failure: String) -> ActionError {
+        ActionError::Failed(self.backend.error(failure).to_string())
+    }
+
     fn fail(&self, err: &EnvError) {
         let mut view = self.view.borrow_mut();
-        view.failure = Some(err.to_string());
+        view.failure = Some(match err {
+            EnvError::External { message, .. } => message.clone(),
+            other => other.to_string(),
+        });
         view.state = empty_state(self.backend.num_seats);
     }
 
@@ -365,7 +376,7 @@ impl ExternalEnv {
     fn check_actions(&self, actions: &[Action]) -> Result<(), ActionError> {
         let view = self.view.borrow();
         if let Some(failure) = &view.failure {
-            return Err(ActionError::Failed(failure.clone()));
+            return Err(self.failed_action(failure.clone()));
         }
         if view.state.terminal {
             return Err(ActionError::EpisodeOver);
@@ -448,7 +459,7 @@ impl Environment for ExternalEnv {
 
     fn parse_action(&self, seat: SeatId, text: &str) -> Result<Action, ActionError> {
         if let Some(failure) = self.failure() {
-            return Err(ActionError::Failed(failure));
+            return Err(self.failed_action(failure));
         }
         match self.backend.parse(self.episode, seat, text) {
             Ok(Ok(action)) => {
