@@ -361,8 +361,9 @@ class MAGRPOTrainer:
 
     def evaluate(self, episodes=None):
         """Plays ``episodes`` held-out episodes (default ``eval.episodes``; the evaluation prompts or
-        ``eval.env``) and returns per agent the reward's mean and standard error, the ``score``
-        metric's, and a few replies."""
+        ``eval.env``) and returns per agent the reward's mean and standard error (``reward``),
+        each reward function's by its name (``rewards``), the ``score`` metric's, and a few
+        replies."""
         return json.loads(self._run.evaluate(episodes))
 
     def save_adapters(self, directory):
