@@ -151,7 +151,7 @@ fn impossible_sizes_and_values_are_refused_before_the_run_directory_exists() {
         ("training.lr=1e308", ["training.optimizer.lr", "too large"]),
         ("adapter.lora_alpha=1e308", ["adapter.lora_alpha", "scale"]),
         ("env.life_loss_penalty=.nan", ["env.life_loss_penalty", "not a finite number"]),
-        ("run=", ["run is a section", "run.KEY=VALUE"]),
+        ("run=", ["--set: run: a section", "run.KEY=VALUE"]),
         ("env.observation=weird", ["env.observation:", "unknown variant `weird`"]),
     ] {
         let line = error_line(&troupe(&["train", "--config", s(&config), "--set", "run.iterations=2", "--set", set]));
@@ -182,7 +182,7 @@ fn input_is_bounded_before_the_model_or_the_parser_sees_it() {
     let deep_set = format!("env.params={}1{}", "[".repeat(50_000), "]".repeat(50_000));
     let config = write_config(tmp.path(), &tmp.path().join("run"), 1);
     let line = error_line(&troupe(&["train", "--config", s(&config), "--set", &deep_set]));
-    assert!(line.contains("--set env.params") && line.contains("nested more than 64 levels"), "{line}");
+    assert!(line.contains("--set: env.params: the value is nested more than 64 levels"), "{line}");
 }
 
 /// Runs troupe with its stdout a pipe whose reading end is closed before troupe starts.
