@@ -146,8 +146,8 @@ pub enum ModelError {
 #[derive(Debug, Error)]
 pub enum EnvironmentError {
     /// An environment could not be built, reset or asked for a policy (its own typed error,
-    /// chained).
-    #[error("environment: {0}")]
+    /// whose message names the environment, its command or the file).
+    #[error("{0}")]
     Env(troupe_envs::EnvError),
     /// The coding task's inference-only protocols could not run.
     #[error(transparent)]

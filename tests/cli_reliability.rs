@@ -151,7 +151,7 @@ fn impossible_sizes_and_values_are_refused_before_the_run_directory_exists() {
         ("training.lr=1e308", ["training.optimizer.lr", "too large"]),
         ("adapter.lora_alpha=1e308", ["adapter.lora_alpha", "scale"]),
         ("env.life_loss_penalty=.nan", ["env.life_loss_penalty", "not a finite number"]),
-        ("run=", ["run is a section", "run.KEY=VALUE"]),
+        ("run=", ["--set: run: a section", "run.KEY=VALUE"]),
         ("env.observation=weird", ["env.observation:", "unknown variant `weird`"]),
     ] {
         let line = error_line(&troupe(&["train", "--config", s(&config), "--set", "run.iterations=2", "--set", set]));
@@ -182,7 +182,7 @@ fn input_is_bounded_before_the_model_or_the_parser_sees_it() {
     let deep_set = format!("env.params={}1{}", "[".repeat(50_000), "]".repeat(50_000));
     let config = write_config(tmp.path(), &tmp.path().join("run"), 1);
     let line = error_line(&troupe(&["train", "--config", s(&config), "--set", &deep_set]));
-    assert!(line.contains("--set env.params") && line.contains("nested more than 64 levels"), "{line}");
+    assert!(line.contains("--set: env.params: the value is nested more than 64 levels"), "{line}");
 }
 
 /// Runs troupe with its stdout a pipe whose reading end is closed before troupe starts.
@@ -314,4 +314,108 @@ fn an_external_environments_process_group_dies_with_a_killed_troupe() {
     let mut text = String::new();
     let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut text));
     assert!(wait_gone(helper), "the helper in the environment's group outlived a SIGKILLed troupe; stderr: {text}");
+}
+
+/// A Python environment (python/troupe_env.py) that first starts a daemon, a grandchild that left
+/// its group and session (fork, `setsid`, fork), whose pid it writes to `pid_file`; then serves
+/// a one-move game, or hangs on `reset` when `hang` is set.
+#[cfg(target_os = "linux")]
+fn daemonizing_env(dir: &Path, pid_file: &Path, hang: bool) -> String {
+    let module_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let script = dir.join(if hang { "hanging_env.py" } else { "daemon_env.py" });
+    let source = format!(
+        r#"import os, sys, time
+sys.path.insert(0, {module_dir:?})
+from troupe_env import Environment, serve
+
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        with open({pid_file:?} + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename({pid_file:?} + ".tmp", {pid_file:?})
+        time.sleep(1000)
+    os._exit(0)
+os.wait()
+
+class OneMove(Environment):
+    name = "one_move"
+    num_seats = 1
+
+    def reset(self, seed):
+        if {hang}:
+            time.sleep(1000)
+        self.done = False
+
+    def acting_seats(self):
+        return [0]
+
+    def observation(self, seat):
+        return "move"
+
+    def legal_actions(self, seat):
+        return [(0, "go")]
+
+    def step(self, actions):
+        self.done = True
+        return [1.0]
+
+    def is_terminal(self):
+        return self.done
+
+serve(lambda params: OneMove())
+"#,
+        module_dir = module_dir.display().to_string(),
+        pid_file = pid_file.display().to_string(),
+        hang = if hang { "True" } else { "False" },
+    );
+    std::fs::write(&script, source).expect("write the environment");
+    serde_json::to_string(&["python3", s(&script)]).expect("json")
+}
+
+/// The pid `pid_file` holds, once it is written (up to 20 s).
+#[cfg(target_os = "linux")]
+fn read_pid(pid_file: &Path) -> u32 {
+    let started = Instant::now();
+    loop {
+        if let Some(pid) = std::fs::read_to_string(pid_file).ok().and_then(|t| t.trim().parse().ok()) {
+            return pid;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "the daemon never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+#[cfg(target_os = "linux")]
+fn a_daemon_an_external_environment_started_ends_with_troupes_command() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+
+    // A normal end: the benchmark plays its games and exits 0.
+    let pid_file = tmp.path().join("daemon.pid");
+    let command = daemonizing_env(tmp.path(), &pid_file, false);
+    let out = troupe(&["env", "bench", "external", "--episodes", "2", "--set", &format!("command={command}")]);
+    let summary = succeeds(&out);
+    assert_eq!(summary["episodes"], 2, "{summary}");
+    let daemon = read_pid(&pid_file);
+    assert!(wait_gone(daemon), "the setsid daemon outlived troupe's normal end: {}", stderr(&out));
+
+    // An end over a timeout: the environment hangs on `reset`, troupe kills it and exits 1.
+    let pid_file = tmp.path().join("hanging.pid");
+    let command = daemonizing_env(tmp.path(), &pid_file, true);
+    let out = troupe(&[
+        "env",
+        "bench",
+        "external",
+        "--episodes",
+        "1",
+        "--set",
+        &format!("command={command}"),
+        "--set",
+        "timeout_s=2",
+    ]);
+    let line = error_line(&out);
+    assert!(line.contains("no answer to `reset` within 2.0 s"), "{line}");
+    let daemon = read_pid(&pid_file);
+    assert!(wait_gone(daemon), "the setsid daemon outlived troupe's timeout kill");
 }

@@ -144,3 +144,99 @@ fn play_reads_moves_from_stdin() {
     assert!(text.contains("You are North"), "{text}");
     assert!(text.contains("Not accepted: illegal action RDbl: only a doubled bid can be redoubled"), "{text}");
 }
+
+/// A one-seat Python environment (python/troupe_env.py) whose `fault` method raises.
+fn faulty_env(dir: &std::path::Path, fault: &str) -> String {
+    let module_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
+    let script = dir.join(format!("faulty_{fault}.py"));
+    let source = format!(
+        r#"import sys
+sys.path.insert(0, {module_dir:?})
+from troupe_env import Environment, serve
+
+class Faulty(Environment):
+    name = "faulty"
+    num_seats = 1
+
+    def reset(self, seed):
+        if {fault:?} == "reset":
+            raise RuntimeError("the deck is missing")
+        self.done = False
+
+    def acting_seats(self):
+        return [0]
+
+    def observation(self, seat):
+        return "o"
+
+    def legal_actions(self, seat):
+        return [(0, "go")]
+
+    def step(self, actions):
+        if {fault:?} == "step":
+            raise ValueError("the table broke")
+        self.done = True
+        return [1.0]
+
+    def is_terminal(self):
+        return self.done
+
+serve(lambda params: Faulty())
+"#,
+        module_dir = module_dir.display().to_string(),
+    );
+    std::fs::write(&script, source).expect("write the environment");
+    serde_json::to_string(&["python3", &script.display().to_string()]).expect("json")
+}
+
+/// The one `error` line of a failed command.
+fn the_error_line(out: &Output) -> String {
+    assert!(!out.status.success(), "expected a failure, stdout: {}", stdout(out));
+    let text = stderr(out);
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(lines.len(), 1, "one error line: {text}");
+    lines[0].to_string()
+}
+
+#[test]
+fn an_environments_failure_is_said_once_naming_its_command_once() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for (fault, cause) in [("reset", "RuntimeError: the deck is missing"), ("step", "ValueError: the table broke")] {
+        let command = faulty_env(dir.path(), fault);
+        // `play` waits for the human's move at the first step: only its reset is faulted here.
+        let verbs: &[&[&str]] = if fault == "reset" {
+            &[&["bench", "external", "--episodes", "2"], &["play", "external"]]
+        } else {
+            &[&["bench", "external", "--episodes", "2"]]
+        };
+        for verb in verbs {
+            let mut args = vec!["env"];
+            args.extend_from_slice(verb);
+            let set = format!("command={command}");
+            args.extend(["--set", &set]);
+            let line = the_error_line(&troupe(&args));
+            assert_eq!(line.matches(cause).count(), 1, "the cause once: {line}");
+            assert_eq!(line.matches("external environment python3").count(), 1, "the command once: {line}");
+            assert!(line.contains(&format!("faulty_{fault}.py")), "{line}");
+        }
+        // Training on it: the same, said once, under what stopped.
+        let config = dir.path().join(format!("{fault}.yaml"));
+        let yaml = format!(
+            "run: {{out_dir: {run}, iterations: 1}}\nenv: {{name: external, command: {command}}}\n\
+             agents: {{num_agents: 1, seats: [0]}}\naction: {{mode: choice, chat_template: false}}\n\
+             training: {{group_size: 2, groups_per_iteration: 1}}\n",
+            run = dir.path().join(format!("run_{fault}")).display()
+        );
+        std::fs::write(&config, yaml).expect("write the config");
+        let line = the_error_line(&troupe(&["train", "--config", config.to_str().expect("utf-8"), "--quiet"]));
+        assert_eq!(line.matches(cause).count(), 1, "the cause once: {line}");
+        assert_eq!(line.matches("external environment python3").count(), 1, "the command once: {line}");
+        assert!(!line.contains("environment: external"), "{line}");
+    }
+}
+
+#[test]
+fn a_missing_parameter_is_named() {
+    let line = the_error_line(&troupe(&["env", "bench", "external", "--episodes", "1"]));
+    assert!(line.contains("environment external: bad parameter command: is required"), "{line}");
+}

@@ -456,6 +456,99 @@ fn a_training_run_calls_its_external_reward_with_every_episode() {
     }
 }
 
+/// Mean and population std, as troupe's `*_std` metrics are computed.
+fn mean_std(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    let mean = values.iter().sum::<f64>() / n;
+    (mean, (values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n).sqrt())
+}
+
+#[test]
+fn an_external_reward_has_its_own_metrics_in_training_and_in_eval() {
+    use troupe::rl::config::TrainConfig;
+    use troupe::rl::run::TrainingRun;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("values.jsonl");
+    // One value per episode (both seats get it); every call logs the values it gave.
+    let body = format!(
+        "values = [float(len(a) % 5) - 1.5 + 0.25 * (item['seed'] % 3) for a, item in zip(completions_agent0, batch_items)]; \
+         open({log:?}, 'a').write(json.dumps(values) + '\\n'); return values",
+        log = log.display().to_string()
+    );
+    let command = python_reward(dir.path(), &body);
+    // Unlabelled, an external function's metrics are named after its script.
+    let label = std::path::Path::new(&command[1]).file_stem().unwrap().to_str().unwrap().to_string();
+    let config_path = dir.path().join("reward.yaml");
+    let yaml = format!(
+        "run: {{out_dir: {run}, seed: 3, iterations: 2, checkpoint_every: 1}}\n\
+         env: {{name: hanabi, players: 2, observation: compact}}\n\
+         adapter: {{r: 4, lora_alpha: 8.0}}\n\
+         action: {{mode: choice, chat_template: false}}\n\
+         training: {{group_size: 2, groups_per_iteration: 2, lr: 1.0e-2, max_episode_steps: 4}}\n\
+         eval: {{every: 2, every_episodes: 3, episodes: 4, seed: 9000, max_episode_steps: 6}}\n\
+         rewards: {{functions: [{{name: env_return}}, {{name: external, command: [{python}, {script}], weight: 0.5}}]}}\n",
+        run = dir.path().join("run").display(),
+        python = command[0],
+        script = command[1],
+    );
+    std::fs::write(&config_path, &yaml).unwrap();
+    let registry = Registry::with_builtins();
+    let config = TrainConfig::from_yaml_str(&yaml, &config_path, &[], &registry).unwrap();
+    let mut run = TrainingRun::start(config, &config_path, registry, &Device::flex()).unwrap();
+    while !run.finished() {
+        run.run_iteration().unwrap();
+    }
+    drop(run);
+
+    // `troupe eval` starts the reward process too and reports the function over its episodes.
+    let out = std::process::Command::new(TROUPE)
+        .args(["eval", "--config", config_path.to_str().unwrap(), "--adapters"])
+        .arg(dir.path().join("run"))
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let eval: Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    // The calls, in order: iteration 1, iteration 2, the held-out evaluation after iteration 2
+    // (3 episodes), `troupe eval` (4 episodes).
+    let calls: Vec<Vec<f64>> =
+        std::fs::read_to_string(&log).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(calls.iter().map(Vec::len).collect::<Vec<_>>(), [4, 4, 3, 4], "{calls:?}");
+    let lines: Vec<Value> = std::fs::read_to_string(dir.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let close = |a: &Value, b: f64| (a.as_f64().unwrap_or(f64::NAN) - b).abs() < 1e-9;
+    for (line, values) in lines.iter().zip(&calls) {
+        let (mean, std) = mean_std(values);
+        let extra = &line["extra"];
+        assert!(close(&extra[format!("rewards/{label}/mean")], mean), "{mean} {extra}");
+        assert!(close(&extra[format!("rewards/{label}/std")], std), "{std} {extra}");
+        assert!(extra.get("rewards/env_return/mean").is_some(), "every function has its key: {extra}");
+    }
+    let stderr = |values: &[f64]| {
+        let n = values.len() as f64;
+        mean_std(values).1 * (n / (n - 1.0)).sqrt() / n.sqrt()
+    };
+    let held_out = &lines[1]["extra"];
+    assert!(close(&held_out[format!("eval_rewards/{label}/mean")], mean_std(&calls[2]).0), "{held_out}");
+    assert!(close(&held_out[format!("eval_rewards/{label}/stderr")], stderr(&calls[2])), "{held_out}");
+    assert!(lines[0]["extra"].get(format!("eval_rewards/{label}/mean")).is_none(), "no evaluation at iteration 1");
+    let reported = &eval["rewards"][&label];
+    assert!(close(&reported["mean"], mean_std(&calls[3]).0), "{eval}");
+    assert!(close(&reported["stderr"], stderr(&calls[3])), "{eval}");
+    assert!(eval["rewards"].get("env_return").is_some(), "{eval}");
+
+    // TensorBoard and W&B get the same keys (TRL's names).
+    let line: troupe::rl::run::metrics::IterationMetrics = serde_json::from_value(lines[1].clone()).unwrap();
+    let scalars: std::collections::BTreeMap<String, f64> =
+        troupe::rl::run::tracking::trl_scalars(&line).into_iter().collect();
+    assert_eq!(scalars[&format!("rewards/{label}/mean")], line.extra[&format!("rewards/{label}/mean")]);
+    assert!(scalars.contains_key(&format!("eval/rewards/{label}/stderr")), "{scalars:?}");
+}
+
 #[test]
 fn an_environment_that_refuses_its_own_legal_action_stops_the_rollout_with_a_named_error() {
     let device = Device::flex();
@@ -534,6 +627,75 @@ fn what_an_environment_starts_in_its_group_ends_with_it() {
     let err = env.step(&[Action::Id(0)]).unwrap_err().to_string();
     assert!(err.contains("no answer to `step`"), "{err}");
     assert!(wait_gone(pid), "the helper outlived a timeout kill");
+}
+
+#[test]
+#[cfg(target_os = "linux")]
+fn a_descendant_that_left_the_group_ends_with_its_environment() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("daemon.pid");
+    // The environment's child moves to a session of its own (`setsid`) and forks the daemon,
+    // which the group kill cannot reach; then the child exits, orphaning it.
+    let daemon = format!(
+        r#"python3 -c 'import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open("{pid}.tmp", "w").write(str(os.getpid())); os.rename("{pid}.tmp", "{pid}"); time.sleep(1000)
+    os._exit(0)
+os.wait()'"#,
+        pid = pid_file.display()
+    );
+    let script =
+        format!(r#"{daemon}; {HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE}]}}}}'; read l; sleep 1000"#);
+    let daemon_pid = |pid_file: &std::path::Path| -> u32 {
+        let started = Instant::now();
+        loop {
+            if let Some(pid) = std::fs::read_to_string(pid_file).ok().and_then(|t| t.trim().parse().ok()) {
+                return pid;
+            }
+            assert!(started.elapsed() < Duration::from_secs(20), "the daemon never started");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let session = |pid: u32| -> String {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+        stat.rsplit(')').next().unwrap().split_whitespace().nth(3).unwrap().to_string()
+    };
+
+    // A normal end: the environment dropped.
+    let env = scripted_with(&script, json!({})).unwrap();
+    let pid = daemon_pid(&pid_file);
+    assert!(!gone(pid));
+    assert_ne!(session(pid), session(std::process::id()), "the daemon left troupe's session");
+    drop(env);
+    assert!(wait_gone(pid), "the daemon outlived its environment's end");
+
+    // A kill over a timeout.
+    std::fs::remove_file(&pid_file).unwrap();
+    let mut env = scripted_with(&script, json!({"timeout_s": 0.5})).unwrap();
+    let pid = daemon_pid(&pid_file);
+    reset_all(std::slice::from_mut(&mut env), &[1]).unwrap();
+    let err = env.step(&[Action::Id(0)]).unwrap_err().to_string();
+    assert!(err.contains("no answer to `step`"), "{err}");
+    assert!(wait_gone(pid), "the daemon outlived a timeout kill");
+    drop(env);
+}
+
+#[test]
+fn metric_keys_that_change_between_episodes_stop_the_run_by_name() {
+    let other = STATE.replace(r#"{"score":0.0}"#, r#"{"score":0.0,"bonus":1.0}"#);
+    let script = format!(r#"{HELLO}; read l; echo '{{"id":1,"result":{{"states":[{STATE},{other}]}}}}'; sleep 5"#);
+    // Two episodes of one process (one registry, the same parameters), reset in one exchange.
+    let registry = Registry::with_builtins();
+    let params = json!({"command": ["sh", "-c", script], "timeout_s": 5.0});
+    let mut envs = vec![registry.make("external", &params).unwrap(), registry.make("external", &params).unwrap()];
+    let err = reset_all(&mut envs, &[7, 8]).unwrap_err().to_string();
+    assert!(
+        err.contains("(seed 8): `metrics` has the keys [\"bonus\", \"score\"], but the first state had [\"score\"]"),
+        "{err}"
+    );
+    assert!(err.contains("keep the same metric keys"), "{err}");
 }
 
 #[test]

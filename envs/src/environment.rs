@@ -154,6 +154,8 @@ pub trait Environment: Send + 'static {
     fn returns(&self) -> Vec<f64>;
 
     /// The episode's metrics (at least `score`, the headline number an evaluation reports).
+    /// Training and evaluation average each metric over the episodes that report it, so a
+    /// metric that only some episodes have is not diluted by zeros.
     fn metrics(&self) -> EpisodeMetrics;
 
     /// The concrete environment, for code that knows its type (a rule-based Hanabi policy

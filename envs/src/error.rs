@@ -61,12 +61,14 @@ pub enum EnvError {
         message: String,
     },
     /// An environment refused an action while running an episode.
-    #[error("environment {env}: {source}")]
+    // The cause is part of the message and deliberately not a `source`: a chain printed whole
+    // (`{:#}`) would show it twice.
+    #[error("environment {env}: {error}")]
     Action {
         /// The environment's name.
         env: String,
         /// Why the action was refused.
-        source: ActionError,
+        error: ActionError,
     },
 }
 
@@ -91,12 +93,13 @@ pub enum SandboxError {
         message: String,
     },
     /// The operating system refused a step of starting an evaluation (temp dir, pipe, spawn).
-    #[error("sandbox could not {action}: {source}")]
+    // The OS error is part of the message, not a `source`, so a chain is not printed twice.
+    #[error("sandbox could not {action}: {error}")]
     Io {
         /// What was being done.
         action: String,
         /// The OS error.
-        source: std::io::Error,
+        error: std::io::Error,
     },
     /// The platform has no sandbox implementation (troupe's sandbox needs Linux).
     #[error("the code sandbox needs Linux")]

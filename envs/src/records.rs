@@ -335,8 +335,8 @@ pub fn replay_file(path: &Path) -> Result<ReplayReport, EnvError> {
     Ok(report)
 }
 
-fn action_error(env: &dyn Environment, source: crate::environment::ActionError) -> EnvError {
-    EnvError::Action { env: env.name().to_string(), source }
+fn action_error(env: &dyn Environment, error: crate::environment::ActionError) -> EnvError {
+    EnvError::Action { env: env.name().to_string(), error }
 }
 
 /// Plays one Hanabi game with `policy` from `seed` and records it.

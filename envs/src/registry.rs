@@ -230,8 +230,13 @@ pub fn parse_params<T: DeserializeOwned>(env: &str, params: &Value) -> Result<T,
     serde_path_to_error::deserialize(value).map_err(|err| {
         let path = err.path().to_string();
         let message = err.into_inner().to_string();
-        // The path names the field whose value is wrong; an unknown field is named by serde
-        // in backticks ("unknown field `foo`, expected ..."), at the path of its parent.
+        // The path names the field whose value is wrong; a missing field is named by serde in
+        // backticks ("missing field `command`"), at the path of its parent.
+        if let Some(name) = message.strip_prefix("missing field `").and_then(|m| m.split('`').next()) {
+            let field = if path == "." { name.to_string() } else { format!("{path}.{name}") };
+            return EnvError::BadParam { env: env.to_string(), field, message: "is required".to_string() };
+        }
+        // An unknown field is named the same way ("unknown field `foo`, expected ...").
         let field = if message.starts_with("unknown field") {
             let name = message.split('`').nth(1).unwrap_or("params");
             if path == "." {

@@ -59,7 +59,7 @@ pub fn run_episode(env: &mut dyn Environment, policy: &mut dyn Policy, seed: u64
         }
         let seats = env.acting_seats();
         let actions = seats.iter().map(|&s| policy.act(&*env, s, &mut rng)).collect::<Result<Vec<_>, _>>()?;
-        env.step(&actions).map_err(|source| EnvError::Action { env: env.name().into(), source })?;
+        env.step(&actions).map_err(|error| EnvError::Action { env: env.name().into(), error })?;
         steps += 1;
     }
     Ok(summary(env, seed, steps))
@@ -189,7 +189,7 @@ pub fn play_interactive(
                 }
             }
         }
-        env.step(&actions).map_err(|source| EnvError::Action { env: env.name().into(), source })?;
+        env.step(&actions).map_err(|error| EnvError::Action { env: env.name().into(), error })?;
         steps += 1;
     }
     writeln!(output, "{}", env.observation(human)).map_err(io_error)?;

@@ -57,6 +57,12 @@ def test_a_python_reward_function_is_trained_up(tmp_path):
     print(f"training reward {first:.3f} -> {last:.3f}; held-out {before['reward']['0']} -> {after['reward']['0']}")
     assert last > first
     assert gain > 3 * se, (before["reward"], after["reward"])
+    # The function has its own metric under its __name__, as TRL names it: with one function of
+    # weight 1 (the environment gives 0), it is each agent's return.
+    for h in history:
+        assert abs(h["extra"]["rewards/reward/mean"] - h["mean_return"]["0"]) < 1e-9, h["extra"]
+        assert "rewards/reward/std" in h["extra"]
+    assert abs(after["rewards"]["reward"]["mean"] - after["reward"]["0"]["mean"]) < 1e-9, after
     assert (tmp_path / "run" / "metrics.jsonl").exists()
 
 

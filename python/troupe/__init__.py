@@ -22,6 +22,7 @@ called back in batches. Rollouts scale out over Ray with :mod:`troupe.ray`.
 import copy
 import json
 import os
+import re
 import shutil
 import tempfile
 import weakref
@@ -168,6 +169,9 @@ class _DatasetFactory:
         return _DatasetEnv(self.test if test else self.train, self.num_agents, self.field, self.instructions, test)
 
 
+_LABEL = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
 class _BatchReward:
     """A reward function ``fn(completions_agent0, ..., batch_items) -> list`` as the engine calls
     it (every episode of an iteration as JSON; one list of values per episode back). The
@@ -282,7 +286,7 @@ class MAGRPOTrainer:
 
         self._rewards = []
         if reward_funcs:
-            functions, seen = [], set()
+            functions, seen, labels = [], set(), set()
             for i, fn in enumerate(reward_funcs):
                 wrapped = _BatchReward(fn, dataset)
                 name = f"py_{wrapped.name}"
@@ -291,7 +295,13 @@ class MAGRPOTrainer:
                 seen.add(name)
                 self._rewards.append((name, wrapped))
                 weight = 1.0 if reward_weights is None else float(reward_weights[i])
-                functions.append({"name": name, "weight": weight})
+                function = {"name": name, "weight": weight}
+                # Its metrics go under rewards/<fn.__name__>/mean, as TRL names them (a name that
+                # is not a metric name, such as a lambda's, keeps the registered one).
+                if _LABEL.fullmatch(wrapped.name) and wrapped.name not in labels:
+                    function["label"] = wrapped.name
+                    labels.add(wrapped.name)
+                functions.append(function)
             cfg.setdefault("rewards", {})["functions"] = functions
         self.config = cfg
         # JSON is YAML: the engine reads the dict as its config file.
@@ -351,8 +361,9 @@ class MAGRPOTrainer:
 
     def evaluate(self, episodes=None):
         """Plays ``episodes`` held-out episodes (default ``eval.episodes``; the evaluation prompts or
-        ``eval.env``) and returns per agent the reward's mean and standard error, the ``score``
-        metric's, and a few replies."""
+        ``eval.env``) and returns per agent the reward's mean and standard error (``reward``),
+        each reward function's by its name (``rewards``), the ``score`` metric's, and a few
+        replies."""
         return json.loads(self._run.evaluate(episodes))
 
     def save_adapters(self, directory):

@@ -12,6 +12,7 @@ use troupe_envs::Registry;
 
 use crate::adapters::MultiAdapterManager;
 use crate::rl::config::TrainConfig;
+use crate::rl::credit::Credit;
 use crate::rl::crossplay::crossplay;
 use crate::rl::eval::evaluate;
 use crate::rl::run::checkpoint::{latest_checkpoint, ADAPTERS_DIR};
@@ -126,8 +127,10 @@ pub fn run(args: EvalArgs, device: Option<burn::tensor::Device>, registry: &Regi
     }
     tracing::info!("evaluating {episodes} held-out episodes of {}", config.env.name);
     let what = dir.as_ref().map_or_else(|| "the baselines".to_string(), |d| d.display().to_string());
-    let summary =
-        evaluate(&model, &manager, &config, episodes, registry).with_context(|| format!("evaluating {what}"))?;
+    // The reward functions the run trains on (external processes started here) report too.
+    let credit = Credit::new(&config, registry).with_context(|| format!("{}: rewards", args.config.display()))?;
+    let summary = evaluate(&model, &manager, &config, episodes, registry, Some(&credit))
+        .with_context(|| format!("evaluating {what}"))?;
     let mut value = serde_json::to_value(&summary)?;
     value["adapters"] = dir.map_or(serde_json::Value::Null, |d| serde_json::Value::String(d.display().to_string()));
     super::output::emit(serde_json::to_string_pretty(&value)?)?;

@@ -103,7 +103,7 @@ pub fn crossplay(
     for (row, row_scores) in score.iter_mut().enumerate() {
         for column in 0..runs.len() {
             let seated = seat_pair(model, runs, row, column)?;
-            let summary = evaluate(model, &seated, config, episodes, registry)?;
+            let summary = evaluate(model, &seated, config, episodes, registry, None)?;
             tracing::info!(row, column, score = summary.score.mean, "cross-play cell");
             row_scores.push(summary.score);
             cells.push(CrossplayCell {
@@ -196,7 +196,7 @@ mod tests {
                 std::fs::copy(manifest, dir.join(crate::adapters::peft::MANIFEST_FILE)).unwrap();
                 let mut manager = MultiAdapterManager::for_model(&model);
                 manager.load_adapters(&dir).unwrap();
-                let summary = evaluate(&model, &manager, &config, 4, &registry).unwrap();
+                let summary = evaluate(&model, &manager, &config, 4, &registry, None).unwrap();
                 let cell = &matrix.cells[row * 2 + column];
                 assert_eq!((cell.row, cell.column), (row, column));
                 assert_eq!(cell.score, summary.score, "cell ({row}, {column})");

@@ -12,6 +12,7 @@ use troupe_envs::{Registry, SeatId};
 
 use super::config::{ActionMode, TrainConfig};
 use super::credit::advantage::mean_std;
+use super::credit::Credit;
 use super::protocol_writer::run_protocol;
 use super::rollout::{episode_rngs, make_env, EpisodeRecord, Rollout};
 use crate::adapters::MultiAdapterManager;
@@ -93,8 +94,13 @@ pub struct EvalSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub protocols: Option<Vec<ProtocolSummary>>,
     /// Every episode metric the environment reports (`score`, `lives_lost`, `plays`, ...), as
-    /// a mean with its standard error over the episodes.
+    /// a mean with its standard error over the episodes that report it.
     pub metrics: BTreeMap<String, MeanStderr>,
+    /// Every configured reward function (`rewards.functions`, external ones included), by its
+    /// label: its unweighted value, averaged over the seats the agents play, as a mean with its
+    /// standard error over the episodes. Absent when the evaluation was not given the rewards.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub rewards: BTreeMap<String, MeanStderr>,
     /// Wall time.
     pub seconds: f64,
 }
@@ -142,13 +148,16 @@ pub fn play_held_out(
 /// `config.eval.seed + i`, seating `config.eval.baseline_seats` policies in place of agents.
 /// Episodes run to their end (or `eval.max_episode_steps`), and an invalid reply is replaced
 /// by a random legal action rather than ending the episode ([`TrainConfig::eval_rollout_config`]),
-/// so a game scores what the references would score it.
+/// so a game scores what the references would score it. With `rewards` (the run's credit
+/// phase, its external reward processes running), every reward function's value is reported too
+/// ([`EvalSummary::rewards`]).
 pub fn evaluate(
     model: &Model,
     manager: &MultiAdapterManager,
     config: &TrainConfig,
     episodes: usize,
     registry: &Registry,
+    rewards: Option<&Credit>,
 ) -> Result<EvalSummary> {
     let started = Instant::now();
     if episodes == 0 {
@@ -178,7 +187,8 @@ pub fn evaluate(
     let metrics = names
         .into_iter()
         .map(|name| {
-            let values: Vec<f64> = records.iter().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
+            // Over the episodes that report the metric.
+            let values: Vec<f64> = records.iter().filter_map(|e| e.metrics.get(name).copied()).collect();
             (name.clone(), MeanStderr::of(&values))
         })
         .collect();
@@ -195,6 +205,19 @@ pub fn evaluate(
             records.iter().map(|e| seats.iter().filter_map(|&seat| e.env_returns.get(seat)).sum()).collect();
         agent_return.insert(agent, MeanStderr::of(&returns));
     }
+    let rewards = match rewards {
+        Some(credit) => {
+            let agent_played: Vec<SeatId> =
+                (0..config.agents.seats.len()).filter(|seat| !config.eval.baseline_seats.contains_key(seat)).collect();
+            credit
+                .score_episodes(&model.tokenizer, &records, &agent_played)?
+                .functions
+                .into_iter()
+                .map(|(label, values)| (label, MeanStderr::of(&values)))
+                .collect()
+        }
+        None => BTreeMap::new(),
+    };
     let turns: usize = records.iter().map(|e| e.turns.len()).sum();
     let invalid: usize = records.iter().map(|e| e.turns.iter().filter(|t| t.invalid).count()).sum();
     let steps: Vec<f64> = records.iter().map(|e| e.steps as f64).collect();
@@ -223,6 +246,7 @@ pub fn evaluate(
         baseline_seats: config.eval.baseline_seats.clone(),
         protocols,
         metrics,
+        rewards,
         seconds: started.elapsed().as_secs_f64(),
     })
 }
@@ -245,7 +269,7 @@ mod tests {
         let model = load_model(&config, &device).unwrap();
         let manager = fresh_adapters(&config, &model).unwrap();
         let run = || {
-            let mut summary = evaluate(&model, &manager, &config, 3, &registry).unwrap();
+            let mut summary = evaluate(&model, &manager, &config, 3, &registry, None).unwrap();
             summary.seconds = 0.0;
             serde_json::to_string(&summary).unwrap()
         };
@@ -257,7 +281,7 @@ mod tests {
         // lives at the least, so at least 3 moves).
         assert!(summary["mean_steps"].as_f64().unwrap() >= 3.0, "{summary}");
         let other = TrainConfig { eval: EvalConfig { seed: 78, ..config.eval.clone() }, ..config.clone() };
-        let mut moved = evaluate(&model, &manager, &other, 3, &registry).unwrap();
+        let mut moved = evaluate(&model, &manager, &other, 3, &registry, None).unwrap();
         moved.seconds = 0.0;
         assert_ne!(serde_json::to_string(&moved).unwrap(), first, "other deals, another summary");
     }

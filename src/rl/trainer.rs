@@ -357,7 +357,13 @@ impl MagrpoTrainer {
         let Credited { mut batch, stats: credit, shaped } = self.credit.assign(&self.model.tokenizer, &groups)?;
         let cap =
             (self.config.action.mode == super::rollout::ActionMode::Free).then_some(self.config.action.max_new_tokens);
-        let trl = super::trl_stats::trl_stats(&groups, &shaped, &self.config.agents.seats, cap);
+        let mut trl = super::trl_stats::trl_stats(&groups, &shaped, &self.config.agents.seats, cap);
+        for (label, mean) in &credit.function_mean {
+            trl.insert(format!("rewards/{label}/mean"), *mean);
+        }
+        for (label, std) in &credit.function_std {
+            trl.insert(format!("rewards/{label}/std"), *std);
+        }
         let objective = self.objective();
         // The KL reference is one more forward over the batch, once however many epochs follow.
         let mut update_flops = 0.0;

@@ -297,7 +297,8 @@ fn evaluate_rewards(run: &TrainingRun, episodes: Option<usize>) -> troupe::Resul
     let count = episodes.unwrap_or(config.eval.episodes).max(1);
     // Every seat is its agent's, whatever `eval.baseline_seats` says.
     let records = play_held_out(&t.model, &t.manager, config, count, t.registry(), &mut Default::default())?;
-    let rewards = t.credit().episode_rewards(&t.model.tokenizer, &records)?;
+    let scored = t.credit().score_episodes(&t.model.tokenizer, &records, &[])?;
+    let rewards = scored.rewards;
     let mut per_agent = serde_json::Map::new();
     for agent in t.manager.agent_ids() {
         let values: Vec<f64> = rewards
@@ -316,6 +317,11 @@ fn evaluate_rewards(run: &TrainingRun, episodes: Option<usize>) -> troupe::Resul
     }
     let scores: Vec<f64> = records.iter().map(|e| e.metrics.get("score").copied().unwrap_or(0.0)).collect();
     let score = MeanStderr::of(&scores);
+    let mut functions = serde_json::Map::new();
+    for (label, values) in scored.functions {
+        let m = MeanStderr::of(&values);
+        functions.insert(label, json!({"mean": m.mean, "stderr": m.stderr}));
+    }
     let decode = |ids: &[u32]| t.model.tokenizer.decode(ids, true);
     let mut samples = Vec::new();
     for record in records.iter().take(3) {
@@ -327,6 +333,7 @@ fn evaluate_rewards(run: &TrainingRun, episodes: Option<usize>) -> troupe::Resul
         "episodes": count,
         "first_seed": config.eval.seed,
         "reward": per_agent,
+        "rewards": functions,
         "score": {"mean": score.mean, "stderr": score.stderr},
         "samples": samples,
     }))

@@ -157,6 +157,9 @@ pub(crate) struct Backend {
     next_episode: AtomicU64,
     /// Episodes dropped since the last exchange: sent as one `close` before the next request.
     closed: Mutex<Vec<u64>>,
+    /// The metric keys of the first state the process sent, which every later state must
+    /// repeat (envs/README.md: "keep the same keys in every episode").
+    metric_keys: Mutex<Option<Vec<String>>>,
 }
 
 impl Backend {
@@ -190,6 +193,7 @@ impl Backend {
             process: Mutex::new(process),
             next_episode: AtomicU64::new(0),
             closed: Mutex::new(Vec::new()),
+            metric_keys: Mutex::new(None),
         })
     }
 
@@ -221,6 +225,27 @@ impl Backend {
         }
     }
 
+    /// Checks a state the process sent (`place` names its episode in the error): its shape
+    /// ([`WireState::check`]) and its metric keys, which must be those of the first state.
+    fn check_state(&self, method: &str, state: &WireState, place: &str) -> Result<(), EnvError> {
+        state.check(self.num_seats).map_err(|m| self.protocol_error(method, format!("{place}: {m}")))?;
+        let keys: Vec<&String> = state.metrics.keys().collect();
+        let mut first = self.metric_keys.lock().unwrap_or_else(|e| e.into_inner());
+        match first.as_ref() {
+            None => *first = Some(keys.into_iter().cloned().collect()),
+            Some(expected) if keys.iter().copied().eq(expected.iter()) => {}
+            Some(expected) => {
+                let message = format!(
+                    "{place}: `metrics` has the keys {keys:?}, but the first state had {expected:?} \
+                     (keep the same metric keys in every state)"
+                );
+                drop(first);
+                return Err(self.protocol_error(method, message));
+            }
+        }
+        Ok(())
+    }
+
     /// Resets `(episode, seed)` pairs in one exchange; one checked state per pair.
     fn reset(&self, entries: &[(u64, u64)]) -> Result<Vec<WireState>, EnvError> {
         let episodes: Vec<Value> =
@@ -235,9 +260,7 @@ impl Backend {
             return Err(self.protocol_error("reset", message));
         }
         for (state, &(episode, seed)) in states.states.iter().zip(entries) {
-            state
-                .check(self.num_seats)
-                .map_err(|m| self.protocol_error("reset", format!("episode {episode} (seed {seed}): {m}")))?;
+            self.check_state("reset", state, &format!("episode {episode} (seed {seed})"))?;
         }
         Ok(states.states)
     }
@@ -270,9 +293,7 @@ impl Backend {
                         let message = format!("episode {episode}: rewards {rewards:?} for {} seats", self.num_seats);
                         return Err(self.protocol_error("step", message));
                     }
-                    state
-                        .check(self.num_seats)
-                        .map_err(|m| self.protocol_error("step", format!("episode {episode}: {m}")))?;
+                    self.check_state("step", &state, &format!("episode {episode}"))?;
                     out.push(Ok((rewards, state)));
                 }
             }
@@ -314,6 +335,8 @@ pub struct ExternalEnv {
 /// The latest state, or why there is none.
 struct View {
     state: WireState,
+    /// What went wrong with the process (without the "external environment COMMAND:" that
+    /// [`EnvError::External`] puts before it).
     failure: Option<String>,
 }
 
@@ -329,14 +352,23 @@ impl ExternalEnv {
         &self.backend.command
     }
 
-    /// Why the environment cannot go on (the process failed), if it cannot.
+    /// Why the environment cannot go on (the process failed), if it cannot: the message of
+    /// the [`EnvError::External`] that names the command.
     pub fn failure(&self) -> Option<String> {
         self.view.borrow().failure.clone()
     }
 
+    /// The failure as the error an action gets, naming the command once.
+    fn failed_action(&self, failure: String) -> ActionError {
+        ActionError::Failed(self.backend.error(failure).to_string())
+    }
+
     fn fail(&self, err: &EnvError) {
         let mut view = self.view.borrow_mut();
-        view.failure = Some(err.to_string());
+        view.failure = Some(match err {
+            EnvError::External { message, .. } => message.clone(),
+            other => other.to_string(),
+        });
         view.state = empty_state(self.backend.num_seats);
     }
 
@@ -344,7 +376,7 @@ impl ExternalEnv {
     fn check_actions(&self, actions: &[Action]) -> Result<(), ActionError> {
         let view = self.view.borrow();
         if let Some(failure) = &view.failure {
-            return Err(ActionError::Failed(failure.clone()));
+            return Err(self.failed_action(failure.clone()));
         }
         if view.state.terminal {
             return Err(ActionError::EpisodeOver);
@@ -427,7 +459,7 @@ impl Environment for ExternalEnv {
 
     fn parse_action(&self, seat: SeatId, text: &str) -> Result<Action, ActionError> {
         if let Some(failure) = self.failure() {
-            return Err(ActionError::Failed(failure));
+            return Err(self.failed_action(failure));
         }
         match self.backend.parse(self.episode, seat, text) {
             Ok(Ok(action)) => {

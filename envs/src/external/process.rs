@@ -30,6 +30,9 @@ enum Answer {
     Bad(String),
 }
 
+/// The number of the next process started, for its descendants' mark ([`Process::start`]).
+static NEXT_PROCESS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// A running environment process. Once an exchange fails (the process exited, hung, or broke
 /// the protocol) the process is killed and every later call fails with the same message: a run
 /// stops with that error rather than going on with a half-working environment.
@@ -41,6 +44,10 @@ pub struct Process {
     next_id: u64,
     timeout: Duration,
     broken: Option<String>,
+    /// The environment variable (`TROUPE_DESCENDANT_<troupe pid>_<n>=1`) the process, and
+    /// everything it starts that keeps its environment, inherits: how its descendants are found
+    /// when they leave its process group.
+    mark: String,
 }
 
 impl Process {
@@ -48,7 +55,10 @@ impl Process {
     /// own which troupe ends whole (see [`Process::kill_group`]). On Linux the process is
     /// killed if the thread that started it exits (`PR_SET_PDEATHSIG`), and a watchdog in its
     /// group kills the group once the process is gone, so neither the process nor anything
-    /// it started in its group outlives a troupe that was killed.
+    /// it started in its group outlives a troupe that was killed. Its environment holds one
+    /// more variable, `TROUPE_DESCENDANT_<troupe pid>_<n>=1`, which its descendants inherit: on
+    /// Linux, ending the process also ends every process that carries it, so a descendant
+    /// that left the group (`setsid`, a double fork) goes too.
     pub fn start(command: &[String], timeout: Duration) -> Result<Self, String> {
         Self::start_with_line_limit(command, timeout, DEFAULT_MAX_LINE_BYTES)
     }
@@ -57,8 +67,13 @@ impl Process {
     /// breaks the process with an error naming the limit, before more of it is read.
     pub fn start_with_line_limit(command: &[String], timeout: Duration, max_line_bytes: usize) -> Result<Self, String> {
         let (program, args) = command.split_first().ok_or_else(|| "`command` is empty".to_string())?;
+        let mark = format!(
+            "TROUPE_DESCENDANT_{}_{}",
+            std::process::id(),
+            NEXT_PROCESS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         let mut builder = Command::new(program);
-        builder.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        builder.args(args).env(&mark, "1").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
         #[cfg(unix)]
         {
             use std::os::unix::process::CommandExt;
@@ -153,6 +168,7 @@ impl Process {
             next_id: 0,
             timeout,
             broken: None,
+            mark,
         })
     }
 
@@ -209,8 +225,9 @@ impl Process {
         CallError::Broken(message)
     }
 
-    /// Kills the process and everything in its process group (what it started and did not
-    /// move to a group of its own).
+    /// Kills the process, everything in its process group, and (on Linux) every other
+    /// descendant that still carries its mark in its environment (one that moved to a session
+    /// or group of its own).
     pub fn kill_group(&mut self) {
         #[cfg(unix)]
         if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
@@ -221,6 +238,8 @@ impl Process {
             }
         }
         let _ = self.child.kill();
+        #[cfg(target_os = "linux")]
+        kill_marked(&self.mark);
     }
 
     /// The process's exit status once its stdout closed (waiting briefly for it to exit).
@@ -248,6 +267,61 @@ impl Drop for Process {
         self.requests.take();
         self.kill_group();
         let _ = self.child.wait();
+    }
+}
+
+/// Kills every process whose initial environment holds `mark=1`: the descendants of one
+/// external process, wherever they moved (a new session, a new group, a new parent). Each is
+/// found through `/proc/<pid>/environ` and signalled through a pidfd opened before the read, so
+/// a pid reused meanwhile is never signalled. Repeated until a pass finds none, so what a
+/// descendant forks while it is being killed goes too. Processes of other users, and a
+/// descendant that replaced its whole environment, are not found.
+#[cfg(target_os = "linux")]
+fn kill_marked(mark: &str) {
+    let entry = format!("{mark}=1");
+    let own = std::process::id();
+    for _pass in 0..20 {
+        let Ok(entries) = std::fs::read_dir("/proc") else { return };
+        let mut found = 0;
+        for dir in entries.flatten() {
+            let Some(pid) = dir.file_name().to_str().and_then(|name| name.parse::<u32>().ok()) else { continue };
+            let Ok(raw) = libc::pid_t::try_from(pid) else { continue };
+            if pid == own {
+                continue;
+            }
+            // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1.
+            let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, raw, 0) };
+            let marked = std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|environ| environ.split(|&b| b == 0).any(|e| e == entry.as_bytes()));
+            if marked {
+                found += 1;
+                // SAFETY: a signal through a descriptor this function owns, or (where pidfds are
+                // missing) to a pid just read as carrying the mark.
+                unsafe {
+                    if pidfd >= 0 {
+                        libc::syscall(
+                            libc::SYS_pidfd_send_signal,
+                            pidfd as libc::c_int,
+                            libc::SIGKILL,
+                            std::ptr::null::<libc::siginfo_t>(),
+                            0u32,
+                        );
+                    } else {
+                        libc::kill(raw, libc::SIGKILL);
+                    }
+                }
+            }
+            if pidfd >= 0 {
+                // SAFETY: the descriptor pidfd_open returned above, closed once.
+                unsafe {
+                    libc::close(pidfd as libc::c_int);
+                }
+            }
+        }
+        if found == 0 {
+            return;
+        }
+        thread::sleep(Duration::from_millis(10));
     }
 }
 

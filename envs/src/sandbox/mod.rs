@@ -323,7 +323,7 @@ const PROBE: &str = "import sys\nprint(sys.executable)\nprint(sys.version.split(
 for p in sorted({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}): print(p)\n";
 
 fn io_err(action: &str) -> impl FnOnce(std::io::Error) -> SandboxError + '_ {
-    move |source| SandboxError::Io { action: action.to_string(), source }
+    move |error| SandboxError::Io { action: action.to_string(), error }
 }
 
 fn find_on_path(name: &str) -> Option<PathBuf> {

@@ -421,8 +421,16 @@ mod tests {
         assert!(err.contains("trainig.lr: unknown key (known sections: run, model"), "{err}");
         let err = error("", &["training.group_size=four"]);
         assert!(err.contains("training.group_size: invalid type: string \"four\""), "{err}");
-        assert!(error("", &["training.lr"]).contains("not of the form key.path=value"));
-        assert!(error("", &["training..lr=1"]).contains("malformed key"));
+        // `--set` and the key are each said once.
+        assert_eq!(error("", &["training.lr"]), "--set: training.lr: not of the form key.path=value");
+        assert_eq!(error("", &["training..lr=1"]), "--set: training..lr: malformed key");
+        let err = error("", &["run="]);
+        assert!(err.starts_with("--set: run: a section, not a value; set its keys (run.KEY=VALUE)"), "{err}");
+        let err = error("", &["env.players=[2"]);
+        assert!(err.starts_with("--set: env.players: the value is not YAML: "), "{err}");
+        for err in [error("", &["run="]), error("", &["env.players=[2"]), error("", &["training.lr"])] {
+            assert_eq!(err.matches("--set").count(), 1, "{err}");
+        }
         let err = error("", &["agents.seats[5]=1"]);
         assert!(err.contains("agents.seats[5]: index 5 is out of range: agents.seats has 2 entries"), "{err}");
         let err = error("", &["model.path[0]=x"]);

@@ -50,29 +50,30 @@ fn parse_key(key: &str) -> Option<Vec<Segment>> {
 
 /// Applies one `key.path=value` override to `tree`. The key is checked against the schema
 /// (the defaults' tree) down to the first list or free-form section; below those, the typed
-/// parse that follows checks it. Errors are `(key, message)`.
+/// parse that follows checks it. Errors are `(key, message)`; the caller names `--set`, so
+/// the message does not.
 pub fn apply_override(tree: &mut Yaml, raw: &str, schema: &Schema) -> std::result::Result<(), (String, String)> {
     let Some((key, value)) = raw.split_once('=') else {
-        return Err((raw.to_string(), format!("--set {raw:?} is not of the form key.path=value")));
+        return Err((raw.to_string(), "not of the form key.path=value".to_string()));
     };
     let key = key.trim();
-    let segments = parse_key(key).ok_or_else(|| (key.to_string(), format!("--set {raw:?}: malformed key")))?;
+    let segments = parse_key(key).ok_or_else(|| (key.to_string(), "malformed key".to_string()))?;
     if let Err(err) = super::file::check_depth(value, std::path::Path::new("--set")) {
         let message = match err {
             crate::error::TroupeError::BadValue { message, .. } => message,
             other => other.to_string(),
         };
-        return Err((key.to_string(), format!("--set {key}: the value is {}", message.trim_start_matches("line 1: "))));
+        return Err((key.to_string(), format!("the value is {}", message.trim_start_matches("line 1: "))));
     }
-    let value: Yaml = serde_yaml::from_str(value)
-        .map_err(|e| (key.to_string(), format!("--set {raw:?}: the value is not YAML: {e}")))?;
+    let value: Yaml =
+        serde_yaml::from_str(value).map_err(|e| (key.to_string(), format!("the value is not YAML: {e}")))?;
     check_against_schema(key, &segments, schema)?;
     // A whole section replaced by a value would silently drop the section's earlier overrides
     // and file keys (`--set run=`): a section takes a mapping.
     if matches!(default_at(&schema.defaults, &segments), Some(Yaml::Mapping(_))) && !value.is_mapping() {
         return Err((
             key.to_string(),
-            format!("--set {key}: {key} is a section, not a value; set its keys ({key}.KEY=VALUE) or a mapping ({key}={{KEY: VALUE}})"),
+            format!("a section, not a value; set its keys ({key}.KEY=VALUE) or a mapping ({key}={{KEY: VALUE}})"),
         ));
     }
 

@@ -48,14 +48,29 @@ pub struct Credited {
     pub shaped: ShapedRewards,
 }
 
+/// What [`Credit::score_episodes`] gives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EpisodeScores {
+    /// Every seat's processed reward: `[episode][seat]`.
+    pub rewards: Vec<Vec<f64>>,
+    /// Each reward function by label, with its value for each episode.
+    pub functions: Vec<(String, Vec<f64>)>,
+}
+
 /// The credit phase's statistics: per agent, the mean and std over episodes of the summed
-/// shaped rewards of the seats it plays (penalties included).
+/// shaped rewards of the seats it plays (penalties included); per reward function, the mean and
+/// std over episodes of its own value ([`Credit::score_episodes`]).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CreditStats {
     /// Per agent: mean return.
     pub mean_return: BTreeMap<usize, f64>,
     /// Per agent: std of the return.
     pub std_return: BTreeMap<usize, f64>,
+    /// Per reward function, by label ([`RewardPipeline::labels`]): the mean of its unweighted
+    /// value over the iteration's episodes.
+    pub function_mean: BTreeMap<String, f64>,
+    /// Per reward function, by label: the std of the same.
+    pub function_std: BTreeMap<String, f64>,
 }
 
 impl CreditStats {
@@ -190,28 +205,37 @@ impl Credit {
         Ok(values)
     }
 
-    /// Every seat's reward for each of `episodes` under the configured pipeline (reward
-    /// functions, weights and processors, summed over the episode's steps): `[episode][seat]`,
-    /// what an evaluation of the trained reward reports.
-    pub fn episode_rewards(&self, tokenizer: &TextTokenizer, episodes: &[EpisodeRecord]) -> Result<Vec<Vec<f64>>> {
+    /// What the reward pipeline gives each of `episodes` (what an evaluation of the trained
+    /// reward reports), with one exchange per external function: every seat's reward (reward
+    /// functions, weights and processors, summed over the episode's steps), and each reward
+    /// function's own value per episode, by label, in the pipeline's order: the mean of its
+    /// unweighted values over `seats` (the seats the agents play; every seat when empty).
+    pub fn score_episodes(
+        &self,
+        tokenizer: &TextTokenizer,
+        episodes: &[EpisodeRecord],
+        seats: &[usize],
+    ) -> Result<EpisodeScores> {
         let refs: Vec<&EpisodeRecord> = episodes.iter().collect();
         let computed = self.computed_reward_values(tokenizer, &refs)?;
-        episodes
+        let rewards = episodes
             .iter()
             .zip(&computed)
             .map(|(e, values)| {
                 let shaped = shaped_step_rewards(e, &self.rewards, values)?;
                 Ok(shaped.iter().map(|steps| steps.iter().sum()).collect())
             })
-            .collect()
+            .collect::<Result<_>>()?;
+        let functions = function_episode_values(&self.rewards, &refs, &computed, seats)?;
+        Ok(EpisodeScores { rewards, functions })
     }
 
     /// The credit phase: every episode's rewards shaped per step and seat, discounted into each
     /// turn's return, and turned into the batch's advantages.
     pub fn assign(&self, tokenizer: &TextTokenizer, groups: &[Vec<EpisodeRecord>]) -> Result<Credited> {
         let episodes: Vec<&EpisodeRecord> = groups.iter().flatten().collect();
-        let computed = self.computed_reward_values(tokenizer, &episodes)?;
-        let mut computed = computed.iter();
+        let computed_all = self.computed_reward_values(tokenizer, &episodes)?;
+        let mut computed = computed_all.iter();
         let shaped: ShapedRewards = groups
             .iter()
             .map(|g| {
@@ -226,7 +250,13 @@ impl Credit {
             .map(|(g, s)| g.iter().zip(s).map(|(e, r)| turn_returns(e, r, self.gamma)).collect())
             .collect();
         let batch = TrainBatch::from_groups(groups, &returns, &self.seat_agents, self.advantage);
-        let stats = CreditStats::of(&shaped, &self.seat_agents);
+        let mut stats = CreditStats::of(&shaped, &self.seat_agents);
+        // Every seat is an agent's in training.
+        for (label, values) in function_episode_values(&self.rewards, &episodes, &computed_all, &[])? {
+            let (mean, std) = mean_std(&values);
+            stats.function_mean.insert(label.clone(), mean);
+            stats.function_std.insert(label, std);
+        }
         Ok(Credited { batch, stats, shaped })
     }
 }
@@ -260,6 +290,72 @@ fn batch_reward_values(
         .collect()
 }
 
+/// Each function of `pipeline`, by label, with its value for each of `episodes`: the mean over
+/// `seats` (every seat when empty) of the function's unweighted value for the seat.
+/// `computed[e]` holds episode `e`'s computed values ([`Credit::computed_reward_values`]).
+fn function_episode_values(
+    pipeline: &RewardPipeline,
+    episodes: &[&EpisodeRecord],
+    computed: &[Vec<Vec<f64>>],
+    seats: &[usize],
+) -> Result<Vec<(String, Vec<f64>)>> {
+    let labels = pipeline.labels();
+    let mut per_function = vec![Vec::with_capacity(episodes.len()); labels.len()];
+    for (e, episode) in episodes.iter().enumerate() {
+        let values = seat_function_values(episode, pipeline, computed.get(e).map_or(&[][..], Vec::as_slice))?;
+        let counted: Vec<&Vec<f64>> = if seats.is_empty() {
+            values.iter().collect()
+        } else {
+            seats.iter().filter_map(|&seat| values.get(seat)).collect()
+        };
+        if counted.is_empty() {
+            continue;
+        }
+        for (f, column) in per_function.iter_mut().enumerate() {
+            column.push(counted.iter().map(|v| v[f]).sum::<f64>() / counted.len() as f64);
+        }
+    }
+    Ok(labels.into_iter().zip(per_function).collect())
+}
+
+/// Each seat's environment return (the step rewards, plus its invalid-reply penalties) and
+/// count of invalid replies in `episode`: what the reward functions read ([`SeatOutcome`]).
+fn seat_totals(episode: &EpisodeRecord) -> (Vec<f64>, Vec<usize>) {
+    let seats = episode.env_returns.len();
+    let steps = episode.step_rewards.len();
+    let mut env_return: Vec<f64> =
+        (0..seats).map(|seat| episode.step_rewards.iter().map(|r| r.get(seat).copied().unwrap_or(0.0)).sum()).collect();
+    let mut invalid = vec![0usize; seats];
+    for turn in episode.turns.iter().filter(|t| t.seat < seats && t.step < steps) {
+        env_return[turn.seat] += turn.penalty;
+        invalid[turn.seat] += usize::from(turn.invalid);
+    }
+    (env_return, invalid)
+}
+
+/// Every function's own (unweighted) value for every seat of `episode`: `[seat][function]`, in
+/// the pipeline's order. `computed[seat]` holds the computed functions' values for the seat.
+pub fn seat_function_values(
+    episode: &EpisodeRecord,
+    pipeline: &RewardPipeline,
+    computed: &[Vec<f64>],
+) -> Result<Vec<Vec<f64>>> {
+    let (env_return, invalid) = seat_totals(episode);
+    env_return
+        .iter()
+        .zip(&invalid)
+        .enumerate()
+        .map(|(seat, (&env_return, &invalid_actions))| {
+            pipeline.function_values(&SeatOutcome {
+                env_return,
+                invalid_actions,
+                metrics: &episode.metrics,
+                computed: computed.get(seat).map_or(&[][..], Vec::as_slice),
+            })
+        })
+        .collect()
+}
+
 /// Every seat's reward at every step of `episode` under the configured pipeline: `[seat][step]`.
 /// `external[seat]` holds the external reward functions' values for the seat (empty when the
 /// pipeline has none).
@@ -283,16 +379,10 @@ pub fn shaped_step_rewards(
     let mut rewards: Vec<Vec<f64>> = (0..seats)
         .map(|seat| episode.step_rewards.iter().map(|r| w_env * r.get(seat).copied().unwrap_or(0.0)).collect())
         .collect();
-    let mut env_return: Vec<f64> =
-        (0..seats).map(|seat| episode.step_rewards.iter().map(|r| r.get(seat).copied().unwrap_or(0.0)).sum()).collect();
-    let mut invalid = vec![0usize; seats];
-    for turn in &episode.turns {
-        if turn.seat < seats && turn.step < steps {
-            rewards[turn.seat][turn.step] += w_env * turn.penalty - if turn.invalid { w_invalid } else { 0.0 };
-            env_return[turn.seat] += turn.penalty;
-            invalid[turn.seat] += usize::from(turn.invalid);
-        }
+    for turn in episode.turns.iter().filter(|t| t.seat < seats && t.step < steps) {
+        rewards[turn.seat][turn.step] += w_env * turn.penalty - if turn.invalid { w_invalid } else { 0.0 };
     }
+    let (env_return, invalid) = seat_totals(episode);
     if steps > 0 {
         for seat in 0..seats {
             let values = external.get(seat).map_or(&[][..], Vec::as_slice);

@@ -108,7 +108,7 @@ impl RewardFunction {
 }
 
 /// A reward function with its weight (`{name: env_return, weight: 1.0}`, or
-/// `{name: external, command: [python3, my_reward.py], weight: 1.0, timeout_s: 60}`).
+/// `{name: external, command: [python3, my_reward.py], weight: 1.0, timeout_s: 60, label: length}`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WeightedReward {
@@ -123,13 +123,45 @@ pub struct WeightedReward {
     /// For `external`: the longest wait for one batch's answer, in seconds (default 60).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_s: Option<f64>,
+    /// The name the function's own metrics go under (`rewards/<label>/mean` and `/std` in
+    /// `metrics.jsonl`, `rewards.<label>` in `troupe eval`). Default: the function's name; for
+    /// `external`, the file name without its extension of the command's last argument
+    /// (`[python3, rewards/same_length.py]`: `same_length`). See
+    /// [`RewardPipeline::labels`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
 }
 
 impl WeightedReward {
     /// A built-in function with its weight.
     pub fn builtin(name: RewardFunction, weight: f64) -> Self {
-        Self { name, weight, command: Vec::new(), timeout_s: None }
+        Self { name, weight, command: Vec::new(), timeout_s: None, label: None }
     }
+
+    /// The label when none is given: the function's name, or for `external` the stem of the
+    /// command's last argument when that is a plain file name (else `external`).
+    fn default_label(&self) -> String {
+        if self.name == RewardFunction::External {
+            let stem = self
+                .command
+                .last()
+                .and_then(|arg| std::path::Path::new(arg).file_stem())
+                .and_then(|stem| stem.to_str())
+                .filter(|stem| is_label(stem));
+            if let Some(stem) = stem {
+                return stem.to_string();
+            }
+        }
+        self.name.name().to_string()
+    }
+}
+
+/// Whether `text` may name a reward function's metrics: letters, digits, `_`, `-` and `.`,
+/// not starting with `-` or `.`.
+fn is_label(text: &str) -> bool {
+    !text.is_empty()
+        && !text.starts_with(['-', '.'])
+        && text.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }
 
 fn one() -> f64 {
@@ -253,6 +285,21 @@ impl RewardPipeline {
                     format!("{t} is not a positive number of seconds"),
                 ));
             }
+            if let Some(label) = function.label.as_deref().filter(|l| !is_label(l)) {
+                return Err(TroupeError::setting(
+                    format!("rewards.functions[{i}].label"),
+                    format!("{label:?} is not a metric name: use letters, digits, `_`, `-` and `.` (not first)"),
+                ));
+            }
+        }
+        for (i, function) in functions.iter().enumerate() {
+            let Some(label) = &function.label else { continue };
+            if let Some(j) = functions[..i].iter().position(|f| f.label.as_ref() == Some(label)) {
+                return Err(TroupeError::setting(
+                    format!("rewards.functions[{i}].label"),
+                    format!("{label:?} is also the label of rewards.functions[{j}]; give each its own"),
+                ));
+            }
         }
         for (i, processor) in processors.iter().enumerate() {
             processor.validate().map_err(|(field, message)| {
@@ -283,9 +330,36 @@ impl RewardPipeline {
         self.functions.iter().filter(|f| f.name.is_computed())
     }
 
-    /// The weighted sum of the functions, before processing.
-    pub fn raw(&self, outcome: &SeatOutcome<'_>) -> Result<f64> {
-        let mut total = 0.0;
+    /// The name each function's own metrics go under, in listed order: its `label`, else the
+    /// default ([`WeightedReward::label`]); a default that repeats an earlier label gets `_2`,
+    /// `_3`, ... (two unlabelled `external` functions of `score.py` are `score` and `score_2`).
+    pub fn labels(&self) -> Vec<String> {
+        let mut labels: Vec<String> = Vec::with_capacity(self.functions.len());
+        let given: Vec<&str> = self.functions.iter().filter_map(|f| f.label.as_deref()).collect();
+        for function in &self.functions {
+            let label = match &function.label {
+                Some(label) => label.clone(),
+                None => {
+                    let base = function.default_label();
+                    let taken = |l: &str| given.contains(&l) || labels.iter().any(|x| x == l);
+                    let mut label = base.clone();
+                    let mut n = 2;
+                    while taken(&label) {
+                        label = format!("{base}_{n}");
+                        n += 1;
+                    }
+                    label
+                }
+            };
+            labels.push(label);
+        }
+        labels
+    }
+
+    /// Each function's own value for one seat, unweighted, in listed order (what its metrics
+    /// report). A value that is not finite is an error naming the function.
+    pub fn function_values(&self, outcome: &SeatOutcome<'_>) -> Result<Vec<f64>> {
+        let mut values = Vec::with_capacity(self.functions.len());
         let mut computed = 0;
         for function in &self.functions {
             let value = function.name.evaluate(outcome, computed)?;
@@ -293,9 +367,15 @@ impl RewardPipeline {
             if !value.is_finite() {
                 return Err(TroupeError::reward(function.name.name(), format!("gave {value}")));
             }
-            total += function.weight * value;
+            values.push(value);
         }
-        Ok(total)
+        Ok(values)
+    }
+
+    /// The weighted sum of the functions, before processing.
+    pub fn raw(&self, outcome: &SeatOutcome<'_>) -> Result<f64> {
+        let values = self.function_values(outcome)?;
+        Ok(self.functions.iter().zip(values).map(|(function, value)| function.weight * value).sum())
     }
 
     /// The processed reward of one seat.
@@ -419,6 +499,46 @@ mod tests {
         let m = metrics(0.0);
         assert!(pipeline.episode_rewards(&[1.0, 2.0], &[0], &m).is_err(), "seat counts differ");
         assert!(pipeline.episode_rewards(&[f64::NAN], &[0], &m).is_err(), "a NaN return is refused");
+    }
+
+    #[test]
+    fn every_function_has_a_label_of_its_own() {
+        let external = |command: &[&str], label: Option<&str>| WeightedReward {
+            command: command.iter().map(|c| c.to_string()).collect(),
+            label: label.map(str::to_string),
+            ..weighted(RewardFunction::External, 1.0)
+        };
+        let pipeline = RewardPipeline::new(
+            vec![
+                weighted(RewardFunction::EnvReturn, 1.0),
+                external(&["python3", "rewards/same_length.py"], None),
+                external(&["python3", "rewards/same_length.py", "--strict"], Some("strict")),
+                external(&["./same_length.py"], None),
+                external(&["sh", "-c", "exec python3 x.py"], None),
+                weighted(RewardFunction::Registered("mine".into()), 1.0),
+            ],
+            vec![],
+        )
+        .unwrap();
+        assert_eq!(pipeline.labels(), ["env_return", "same_length", "strict", "same_length_2", "external", "mine"]);
+
+        let m = metrics(4.0);
+        let outcome =
+            SeatOutcome { env_return: 3.0, invalid_actions: 2, metrics: &m, computed: &[0.5, 1.5, 2.5, 3.5, 4.5] };
+        assert_eq!(pipeline.function_values(&outcome).unwrap(), [3.0, 0.5, 1.5, 2.5, 3.5, 4.5]);
+
+        let err = RewardPipeline::new(vec![external(&["x.py"], Some("a/b"))], vec![]).unwrap_err().to_string();
+        assert!(err.contains("rewards.functions[0].label") && err.contains("\"a/b\""), "{err}");
+        let err = RewardPipeline::new(
+            vec![
+                WeightedReward { label: Some("same".into()), ..weighted(RewardFunction::EnvReturn, 1.0) },
+                external(&["x.py"], Some("same")),
+            ],
+            vec![],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("rewards.functions[1].label") && err.contains("rewards.functions[0]"), "{err}");
     }
 
     #[test]

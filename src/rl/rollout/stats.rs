@@ -20,7 +20,7 @@ pub struct RolloutStats {
     pub mean_episode_steps: f64,
     /// In `choice` mode, the policy's mean entropy (nats) over the decisions.
     pub choice_entropy: Option<f64>,
-    /// The mean over episodes of every metric the environment reports.
+    /// The mean of every metric the environment reports, over the episodes that report it.
     pub env_metrics: BTreeMap<String, f64>,
     /// Useful floating-point work of the phase's forward passes.
     pub flops: f64,
@@ -49,7 +49,9 @@ impl RolloutStats {
         let env_metrics = names
             .into_iter()
             .map(|name| {
-                let values: Vec<f64> = episodes.clone().map(|e| e.metrics.get(name).copied().unwrap_or(0.0)).collect();
+                // Over the episodes that report the metric (an environment may report some only
+                // in some episodes; none is counted as 0).
+                let values: Vec<f64> = episodes.clone().filter_map(|e| e.metrics.get(name).copied()).collect();
                 (name.clone(), mean_std(&values).0)
             })
             .collect();
@@ -62,5 +64,33 @@ impl RolloutStats {
             env_metrics,
             flops,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+
+    #[test]
+    fn a_metric_is_averaged_over_the_episodes_that_report_it() {
+        let episode = |metrics: &[(&str, f64)]| EpisodeRecord {
+            seed: 0,
+            turns: Vec::new(),
+            env_returns: vec![0.0],
+            metrics: metrics.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            steps: 1,
+            step_rewards: vec![vec![0.0]],
+        };
+        let episodes = [
+            episode(&[("score", 1.0), ("bonus", 4.0)]),
+            episode(&[("score", 3.0)]),
+            episode(&[("score", 2.0), ("bonus", 2.0)]),
+        ];
+        let stats = RolloutStats::of(episodes.iter(), &FlopModel::new(&Preset::Tiny.config()));
+        // `bonus` over the two episodes that have it, not (4 + 0 + 2) / 3.
+        assert_eq!(stats.env_metrics["bonus"], 3.0);
+        assert_eq!(stats.env_metrics["score"], 2.0);
+        assert_eq!(stats.mean_score, 2.0);
     }
 }

@@ -310,6 +310,10 @@ impl TrainingRun {
             metrics.extra.insert("eval_score_stderr".into(), summary.score.stderr);
             metrics.extra.insert("eval_episode_steps".into(), summary.mean_steps);
             metrics.extra.insert("eval_invalid_rate".into(), summary.invalid_rate);
+            for (label, value) in &summary.rewards {
+                metrics.extra.insert(format!("eval_rewards/{label}/mean"), value.mean);
+                metrics.extra.insert(format!("eval_rewards/{label}/stderr"), value.stderr);
+            }
             metrics.extra.insert("seconds_eval".into(), started.elapsed().as_secs_f64());
             metrics.seconds += started.elapsed().as_secs_f64();
         }
@@ -331,7 +335,7 @@ impl TrainingRun {
         let mut config = self.config.clone();
         config.eval.baseline_seats.clear();
         let t = &self.trainer;
-        super::eval::evaluate(&t.model, &t.manager, &config, config.eval.every_episodes, t.registry())
+        super::eval::evaluate(&t.model, &t.manager, &config, config.eval.every_episodes, t.registry(), Some(t.credit()))
     }
 
     /// Writes a checkpoint of the current state now.

@@ -52,6 +52,8 @@ pub fn default_report_to() -> Vec<ReportTo> {
 /// | `kl`, `entropy`, `clip_ratio/region_mean` | `kl`, `choice_entropy`, `clip_fraction` |
 /// | `completions/mean_length`, `completions/clipped_ratio`, `frac_reward_zero_std` | same keys |
 /// | `turn_k/reward` | `turn_<k>_reward` |
+/// | `rewards/<fn>/mean`, `rewards/<fn>/std` | same keys (each reward function by its label) |
+/// | `eval/rewards/<fn>/mean`, `eval/rewards/<fn>/stderr` | `eval_rewards/<fn>/mean`, `.../stderr` |
 pub fn trl_scalars(m: &IterationMetrics) -> Vec<(String, f64)> {
     let mut out: Vec<(String, f64)> = Vec::new();
     let mean = |values: Vec<f64>| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
@@ -84,6 +86,7 @@ pub fn trl_scalars(m: &IterationMetrics) -> Vec<(String, f64)> {
             "choice_entropy" => "entropy".to_string(),
             "clip_fraction" => "clip_ratio/region_mean".to_string(),
             "completions/mean_length" | "completions/clipped_ratio" | "frac_reward_zero_std" => key.clone(),
+            _ if key.starts_with("rewards/") => key.clone(),
             "score" | "episode_steps" => format!("env/{key}"),
             _ => {
                 if let Some(turn) = key.strip_prefix("turn_").and_then(|t| t.strip_suffix("_reward")) {
@@ -261,6 +264,8 @@ mod tests {
         m.extra.insert("env_hints".into(), 2.0);
         m.extra.insert("eval_score".into(), 7.0);
         m.extra.insert("turn_1_reward".into(), 0.5);
+        m.extra.insert("rewards/same_length/mean".into(), -0.25);
+        m.extra.insert("eval_rewards/same_length/stderr".into(), 0.125);
         let scalars: std::collections::BTreeMap<String, f64> = trl_scalars(&m).into_iter().collect();
         assert_eq!(scalars["reward"], 2.0);
         assert_eq!(scalars["agent_1/reward"], 3.0);
@@ -271,5 +276,7 @@ mod tests {
         assert_eq!(scalars["env/hints"], 2.0);
         assert_eq!(scalars["eval/score"], 7.0);
         assert_eq!(scalars["turn_1/reward"], 0.5);
+        assert_eq!(scalars["rewards/same_length/mean"], -0.25);
+        assert_eq!(scalars["eval/rewards/same_length/stderr"], 0.125);
     }
 }
