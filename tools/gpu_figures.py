@@ -2,8 +2,7 @@
 """troupe against PyTorch / PEFT / TRL on one device, side by side, into one JSON file.
 
 Usage, from the repository root, with troupe built (`cargo build --release [--features cuda]`)
-and a Python that has the peers (`pip install "torch==2.15.0" "transformers==5.23.0"
-"peft==0.21.2" "trl==1.16.0" "datasets==5.2.0"`):
+and a Python that has the peers (`pip install -r tools/requirements-peers.txt`):
 
     python3 tools/gpu_figures.py --device cuda --python /venv/bin/python --out figures.json
     python3 tools/gpu_figures.py --device cpu --quick --out /tmp/figures.json   # a smoke run
