@@ -286,15 +286,64 @@ impl MagrpoTrainer {
             ));
         }
         let spec = self.config.env.spec();
-        let mut envs = Vec::with_capacity(range.len());
-        let mut seeds = Vec::with_capacity(range.len());
-        for episode in range.clone() {
-            envs.push(make_env(&self.registry, &spec)?);
-            seeds.push(plan.starts[episode / plan.group_size]);
-        }
-        let mut rngs = episode_rngs(plan.episode_seed, range.start, range.len());
         let rollout = self.config.rollout_config();
-        run_episodes(&self.model, &self.manager, &mut envs, &seeds, &self.config.agents.seats, &rollout, &mut rngs)
+        let partners = &self.config.training.partners;
+        if partners.is_empty() {
+            let mut envs = Vec::with_capacity(range.len());
+            let mut seeds = Vec::with_capacity(range.len());
+            for episode in range.clone() {
+                envs.push(make_env(&self.registry, &spec)?);
+                seeds.push(plan.starts[episode / plan.group_size]);
+            }
+            let mut rngs = episode_rngs(plan.episode_seed, range.start, range.len());
+            return run_episodes(
+                &self.model,
+                &self.manager,
+                &mut envs,
+                &seeds,
+                &self.config.agents.seats,
+                &rollout,
+                &mut rngs,
+            );
+        }
+        // With fixed partners, the episodes of each seating are played together; every episode
+        // keeps its own generator, so its record is the one it would have in any batch.
+        let play = super::rollout::Rollout {
+            model: &self.model,
+            manager: &self.manager,
+            seat_agents: &self.config.agents.seats,
+            config: &rollout,
+        };
+        let mut records: Vec<Option<EpisodeRecord>> = (0..range.len()).map(|_| None).collect();
+        for (seating, seated) in partners.iter().enumerate() {
+            let episodes: Vec<usize> =
+                range.clone().filter(|&e| (e / plan.group_size) % partners.len() == seating).collect();
+            if episodes.is_empty() {
+                continue;
+            }
+            let mut baselines = BTreeMap::new();
+            for (&seat, name) in seated {
+                baselines.insert(
+                    seat,
+                    self.registry.make_policy(name).map_err(|e| {
+                        TroupeError::setting(format!("training.partners[{seating}].{seat}"), e.to_string())
+                    })?,
+                );
+            }
+            let mut envs = Vec::with_capacity(episodes.len());
+            let mut seeds = Vec::with_capacity(episodes.len());
+            let mut rngs = Vec::with_capacity(episodes.len());
+            for &episode in &episodes {
+                envs.push(make_env(&self.registry, &spec)?);
+                seeds.push(plan.starts[episode / plan.group_size]);
+                rngs.extend(episode_rngs(plan.episode_seed, episode, 1));
+            }
+            let played = play.play(&mut envs, &seeds, &mut baselines, &mut rngs)?;
+            for (episode, record) in episodes.into_iter().zip(played) {
+                records[episode - range.start] = Some(record);
+            }
+        }
+        Ok(records.into_iter().map(|r| r.expect("every episode has a seating")).collect())
     }
 
     /// Runs one iteration: rollouts, credit, then per epoch the update and one optimizer step
@@ -489,6 +538,57 @@ pub(crate) mod tests {
         if stats.grad_norm.get("agent_0").is_some_and(|norm| *norm > 0.0) {
             assert_ne!(t.manager.adapter(0).unwrap().to_host(), active_before, "the acting agent learned");
         }
+    }
+
+    #[test]
+    fn fixed_partners_play_their_seats_and_only_the_agents_moves_are_trained() {
+        // Group 0 seats the rule player at seat 1, group 1 at seat 0: each agent learns beside it.
+        let mut t = trainer(vec![0, 1], 2);
+        t.config.training.groups_per_iteration = 2;
+        t.config.training.max_episode_steps = 6;
+        t.config.training.partners = vec![[(1, "rule".to_string())].into(), [(0, "rule".to_string())].into()];
+        let mut plan = t.plan();
+        let records = t.play(&plan, 0..plan.episodes()).unwrap();
+        assert_eq!(records.len(), 4);
+        for (episode, record) in records.iter().enumerate() {
+            let learner = if episode / 2 == 0 { 0 } else { 1 };
+            assert!(record.steps > 1, "both seats moved");
+            assert!(!record.turns.is_empty());
+            assert!(
+                record.turns.iter().all(|turn| turn.seat == learner && turn.agent == learner),
+                "episode {episode}: only seat {learner}'s agent has turns"
+            );
+        }
+        // An episode's record does not depend on which other episodes share its batch.
+        let split: Vec<EpisodeRecord> =
+            [0..1, 1..3, 3..4].into_iter().flat_map(|range| t.play(&plan, range).unwrap()).collect();
+        assert_eq!(split, records);
+        // The rule partner plays as the baseline policy does: its moves are the environment's.
+        let rule_moves = records[0].step_rewards.len() - records[0].turns.len();
+        assert!(rule_moves > 0);
+        t.learn(&plan, records, 0.0).unwrap();
+        assert!(t.optimizer_states().contains_key("agent_0") && t.optimizer_states().contains_key("agent_1"));
+        // Only partners at seat 1: agent 1 never acts, its adapter stays byte-identical.
+        let mut t = trainer(vec![0, 1], 2);
+        t.config.training.partners = vec![[(1, "random".to_string())].into()];
+        plan = t.plan();
+        let records = t.play(&plan, 0..plan.episodes()).unwrap();
+        assert!(records.iter().flat_map(|r| &r.turns).all(|turn| turn.seat == 0));
+        let idle = t.manager.adapter(1).unwrap().to_host();
+        t.learn(&plan, records, 0.0).unwrap();
+        assert_eq!(t.manager.adapter(1).unwrap().to_host(), idle);
+        assert!(!t.optimizer_states().contains_key("agent_1"));
+    }
+
+    #[test]
+    fn without_partners_the_records_are_self_play_as_before() {
+        let mut a = trainer(vec![0, 1], 2);
+        let mut b = trainer(vec![0, 1], 2);
+        b.config.training.partners = vec![Default::default()];
+        let (plan_a, plan_b) = (a.plan(), b.plan());
+        let (ra, rb) = (a.play(&plan_a, 0..plan_a.episodes()).unwrap(), b.play(&plan_b, 0..plan_b.episodes()).unwrap());
+        assert_eq!(ra, rb, "an empty seating is self-play, episode for episode");
+        assert!(ra.iter().flat_map(|r| &r.turns).any(|turn| turn.seat == 1));
     }
 
     #[test]

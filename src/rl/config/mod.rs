@@ -73,7 +73,7 @@ pub struct TrainConfig {
 pub const CONFIG_FILE: &str = "config.yaml";
 
 /// Sections whose keys are free-form (not checked against the schema when overriding).
-const FREE_FORM: &[&[&str]] = &[&["env"], &["eval", "baseline_seats"], &["eval", "env"]];
+const FREE_FORM: &[&[&str]] = &[&["env"], &["eval", "baseline_seats"], &["eval", "env"], &["training", "partners"]];
 
 /// The schema `--set` overrides are checked against: the default config's tree.
 fn schema() -> Schema {
@@ -365,6 +365,9 @@ mod tests {
             ("eval: {episodes: 0}", "eval.episodes"),
             ("eval: {baseline_seats: {5: rule}}", "eval.baseline_seats.5"),
             ("eval: {baseline_seats: {1: genius}}", "eval.baseline_seats.1"),
+            ("training: {partners: [{1: rule}, {7: rule}]}", "training.partners[1].7"),
+            ("training: {partners: [{1: genius}]}", "training.partners[0].1"),
+            ("training: {partners: [{0: rule, 1: random}]}", "training.partners[0]"),
         ] {
             let err = error(text, &[]);
             assert!(err.starts_with(&format!("configs/test.yaml: {key}: ")), "{text}: {err}");

@@ -91,6 +91,12 @@ config_section! {
         pub max_episode_steps: usize = 50,
         /// Supervised warm-up on the action format: `{steps, batch_size, lr}`.
         pub format_warmup: FormatWarmup = FormatWarmup::default(),
+        /// Fixed partners in the training games: group `g` of an iteration seats the policies of
+        /// `partners[g % len]` (`{seat: policy}`, the baseline policies of
+        /// `eval.baseline_seats`) in place of their agents, and only the agents' moves are
+        /// trained on. `[{1: rule}, {0: rule}]` trains agent 0 beside the rule player in even
+        /// groups and agent 1 in odd ones; `{}` is a self-play group. Empty: self-play only.
+        pub partners: Vec<std::collections::BTreeMap<usize, String>> = Vec::new(),
     }
 }
 

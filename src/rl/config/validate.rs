@@ -60,7 +60,7 @@ impl TrainConfig {
     /// name existing agents, a known environment name (in `registry`), model preset, device,
     /// reward pipeline and baseline policies. Errors name `origin` and the key.
     pub fn validate(&self, origin: &Path, registry: &Registry) -> Result<()> {
-        let checks: [&dyn Fn() -> std::result::Result<(), Refusal>; 8] = [
+        let checks: [&dyn Fn() -> std::result::Result<(), Refusal>; 9] = [
             &|| self.check_run(),
             &|| self.check_model(),
             &|| self.check_agents(registry),
@@ -69,6 +69,7 @@ impl TrainConfig {
             &|| self.check_training(),
             &|| self.check_rewards(registry),
             &|| self.check_eval(registry),
+            &|| self.check_partners(registry),
         ];
         for check in checks {
             if let Err((key, message)) = check() {
@@ -285,6 +286,28 @@ impl TrainConfig {
                         format!("unknown reward function {name:?} (known: {})", known.join(", ")),
                     );
                 }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_partners(&self, registry: &Registry) -> std::result::Result<(), Refusal> {
+        let seats = self.agents.seats.len();
+        for (i, partners) in self.training.partners.iter().enumerate() {
+            for (&seat, policy) in partners {
+                let key = format!("training.partners[{i}].{seat}");
+                if seat >= seats {
+                    return refuse(&key, format!("seat {seat} does not exist (agents.seats has {seats} seats)"));
+                }
+                if let Err(err) = registry.make_policy(policy) {
+                    return refuse(&key, err.to_string());
+                }
+            }
+            if partners.len() == seats {
+                return refuse(
+                    &format!("training.partners[{i}]"),
+                    "every seat is a partner: no agent would play (and learn) in these groups",
+                );
             }
         }
         Ok(())
