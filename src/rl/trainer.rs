@@ -516,12 +516,24 @@ pub(crate) mod tests {
     }
 
     fn trainer(seat_agents: Vec<usize>, agents: usize) -> MagrpoTrainer {
+        trainer_with(test_config(seat_agents), agents)
+    }
+
+    fn trainer_with(config: TrainConfig, agents: usize) -> MagrpoTrainer {
         let device = Device::flex();
         let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
         let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
         manager.create_adapters(agents, &AdapterConfig { r: 4, lora_alpha: 8.0, ..AdapterConfig::default() }).unwrap();
-        let config = test_config(seat_agents);
         MagrpoTrainer::new(model, manager, Registry::with_builtins(), &config).unwrap()
+    }
+
+    fn partnered(seatings: &[&[(usize, &str)]]) -> TrainConfig {
+        let mut config = test_config(vec![0, 1]);
+        config.training.groups_per_iteration = 2;
+        config.training.max_episode_steps = 6;
+        config.training.partners =
+            seatings.iter().map(|s| s.iter().map(|&(seat, name)| (seat, name.to_string())).collect()).collect();
+        config
     }
 
     #[test]
@@ -543,10 +555,7 @@ pub(crate) mod tests {
     #[test]
     fn fixed_partners_play_their_seats_and_only_the_agents_moves_are_trained() {
         // Group 0 seats the rule player at seat 1, group 1 at seat 0: each agent learns beside it.
-        let mut t = trainer(vec![0, 1], 2);
-        t.config.training.groups_per_iteration = 2;
-        t.config.training.max_episode_steps = 6;
-        t.config.training.partners = vec![[(1, "rule".to_string())].into(), [(0, "rule".to_string())].into()];
+        let mut t = trainer_with(partnered(&[&[(1, "rule")], &[(0, "rule")]]), 2);
         let mut plan = t.plan();
         let records = t.play(&plan, 0..plan.episodes()).unwrap();
         assert_eq!(records.len(), 4);
@@ -566,16 +575,17 @@ pub(crate) mod tests {
         // The rule partner plays as the baseline policy does: its moves are the environment's.
         let rule_moves = records[0].step_rewards.len() - records[0].turns.len();
         assert!(rule_moves > 0);
-        t.learn(&plan, records, 0.0).unwrap();
+        let stats = t.learn(&plan, records, 0.0).unwrap();
         assert!(t.optimizer_states().contains_key("agent_0") && t.optimizer_states().contains_key("agent_1"));
+        assert_eq!(stats.mean_return.len(), 2);
         // Only partners at seat 1: agent 1 never acts, its adapter stays byte-identical.
-        let mut t = trainer(vec![0, 1], 2);
-        t.config.training.partners = vec![[(1, "random".to_string())].into()];
+        let mut t = trainer_with(partnered(&[&[(1, "random")]]), 2);
         plan = t.plan();
         let records = t.play(&plan, 0..plan.episodes()).unwrap();
         assert!(records.iter().flat_map(|r| &r.turns).all(|turn| turn.seat == 0));
         let idle = t.manager.adapter(1).unwrap().to_host();
-        t.learn(&plan, records, 0.0).unwrap();
+        let stats = t.learn(&plan, records, 0.0).unwrap();
+        assert_eq!(stats.mean_return.keys().collect::<Vec<_>>(), [&0], "no return for an agent that never played");
         assert_eq!(t.manager.adapter(1).unwrap().to_host(), idle);
         assert!(!t.optimizer_states().contains_key("agent_1"));
     }
@@ -583,8 +593,9 @@ pub(crate) mod tests {
     #[test]
     fn without_partners_the_records_are_self_play_as_before() {
         let mut a = trainer(vec![0, 1], 2);
-        let mut b = trainer(vec![0, 1], 2);
-        b.config.training.partners = vec![Default::default()];
+        let mut config = test_config(vec![0, 1]);
+        config.training.partners = vec![Default::default()];
+        let mut b = trainer_with(config, 2);
         let (plan_a, plan_b) = (a.plan(), b.plan());
         let (ra, rb) = (a.play(&plan_a, 0..plan_a.episodes()).unwrap(), b.play(&plan_b, 0..plan_b.episodes()).unwrap());
         assert_eq!(ra, rb, "an empty seating is self-play, episode for episode");

@@ -368,6 +368,7 @@ mod tests {
             ("training: {partners: [{1: rule}, {7: rule}]}", "training.partners[1].7"),
             ("training: {partners: [{1: genius}]}", "training.partners[0].1"),
             ("training: {partners: [{0: rule, 1: random}]}", "training.partners[0]"),
+            ("training: {groups_per_iteration: 1, partners: [{1: rule}, {0: rule}]}", "training.partners"),
         ] {
             let err = error(text, &[]);
             assert!(err.starts_with(&format!("configs/test.yaml: {key}: ")), "{text}: {err}");

@@ -293,6 +293,16 @@ impl TrainConfig {
 
     fn check_partners(&self, registry: &Registry) -> std::result::Result<(), Refusal> {
         let seats = self.agents.seats.len();
+        let seatings = self.training.partners.len();
+        if seatings > self.training.groups_per_iteration {
+            return refuse(
+                "training.partners",
+                format!(
+                    "{seatings} seatings need at least as many groups an iteration (training.groups_per_iteration is {})",
+                    self.training.groups_per_iteration
+                ),
+            );
+        }
         for (i, partners) in self.training.partners.iter().enumerate() {
             for (&seat, policy) in partners {
                 let key = format!("training.partners[{i}].{seat}");

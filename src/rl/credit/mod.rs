@@ -9,7 +9,7 @@ pub mod batch;
 pub mod external_reward;
 pub mod rewards;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use troupe_envs::{RegisteredReward, Registry, RewardInput};
 
@@ -36,6 +36,8 @@ pub struct Credit {
     gamma: f64,
     advantage: AdvantageSettings,
     seat_agents: Vec<usize>,
+    /// Per seating of `training.partners`, the seats fixed partners play.
+    partners: Vec<BTreeSet<usize>>,
 }
 
 /// What the credit phase gives the update: the batch, and its statistics.
@@ -74,29 +76,42 @@ pub struct CreditStats {
 }
 
 impl CreditStats {
-    fn of(shaped: &ShapedRewards, seat_agents: &[usize]) -> Self {
+    /// `partners[g % len]`: the seats of group `g` played by fixed partners, not agents
+    /// (`training.partners`; empty: every seat is an agent's).
+    fn of(shaped: &ShapedRewards, seat_agents: &[usize], partners: &[BTreeSet<usize>]) -> Self {
         let mut stats = Self::default();
-        let agents: std::collections::BTreeSet<usize> = seat_agents.iter().copied().collect();
+        let agents: BTreeSet<usize> = seat_agents.iter().copied().collect();
         for agent in agents {
-            // An agent's return: the summed shaped rewards of the seats it plays.
-            let returns: Vec<f64> = shaped
-                .iter()
-                .flatten()
-                .map(|per_seat| {
-                    per_seat
-                        .iter()
-                        .enumerate()
-                        .filter(|(seat, _)| seat_agents.get(*seat) == Some(&agent))
-                        .map(|(_, r)| r.iter().sum::<f64>())
-                        .sum()
-                })
-                .collect();
+            // An agent's return: the summed shaped rewards of the seats it plays, over the
+            // episodes where it plays one.
+            let mut returns = Vec::new();
+            for (g, group) in shaped.iter().enumerate() {
+                let partnered = partner_seats(partners, g);
+                let seats: Vec<usize> = (0..seat_agents.len())
+                    .filter(|seat| seat_agents[*seat] == agent && !partnered.is_some_and(|p| p.contains(seat)))
+                    .collect();
+                if seats.is_empty() {
+                    continue;
+                }
+                for per_seat in group {
+                    returns
+                        .push(seats.iter().filter_map(|&seat| per_seat.get(seat)).map(|r| r.iter().sum::<f64>()).sum());
+                }
+            }
+            if returns.is_empty() {
+                continue;
+            }
             let (m, s) = mean_std(&returns);
             stats.mean_return.insert(agent, m);
             stats.std_return.insert(agent, s);
         }
         stats
     }
+}
+
+/// The seats of group `g` played by fixed partners (`None` without partners).
+fn partner_seats(partners: &[BTreeSet<usize>], g: usize) -> Option<&BTreeSet<usize>> {
+    (!partners.is_empty()).then(|| &partners[g % partners.len()])
 }
 
 impl Credit {
@@ -122,6 +137,7 @@ impl Credit {
             gamma: config.training.gamma,
             advantage: config.training.advantage_settings(),
             seat_agents: config.agents.seats.clone(),
+            partners: config.training.partners.iter().map(|p| p.keys().copied().collect()).collect(),
         })
     }
 
@@ -250,9 +266,28 @@ impl Credit {
             .map(|(g, s)| g.iter().zip(s).map(|(e, r)| turn_returns(e, r, self.gamma)).collect())
             .collect();
         let batch = TrainBatch::from_groups(groups, &returns, &self.seat_agents, self.advantage);
-        let mut stats = CreditStats::of(&shaped, &self.seat_agents);
-        // Every seat is an agent's in training.
-        for (label, values) in function_episode_values(&self.rewards, &episodes, &computed_all, &[])? {
+        let mut stats = CreditStats::of(&shaped, &self.seat_agents, &self.partners);
+        // Over the seats the agents play: every seat, or those fixed partners leave them.
+        let mut function_values: Vec<(String, Vec<f64>)> = Vec::new();
+        let mut first = 0;
+        for (g, group) in groups.iter().enumerate() {
+            let seats: Vec<usize> = match partner_seats(&self.partners, g) {
+                Some(partnered) => (0..self.seat_agents.len()).filter(|s| !partnered.contains(s)).collect(),
+                None => Vec::new(),
+            };
+            let range = first..first + group.len();
+            first = range.end;
+            let computed = computed_all.get(range.clone()).unwrap_or(&[]);
+            let values = function_episode_values(&self.rewards, &episodes[range], computed, &seats)?;
+            if function_values.is_empty() {
+                function_values = values;
+            } else {
+                for ((_, all), (_, more)) in function_values.iter_mut().zip(values) {
+                    all.extend(more);
+                }
+            }
+        }
+        for (label, values) in function_values {
             let (mean, std) = mean_std(&values);
             stats.function_mean.insert(label.clone(), mean);
             stats.function_std.insert(label, std);
