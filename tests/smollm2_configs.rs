@@ -51,7 +51,7 @@ fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
             format!("run.out_dir={}", out.display()),
             "run.iterations=1".to_string(),
             "run.checkpoint_every=1".to_string(),
-            "training.groups_per_iteration=1".to_string(),
+            "training.groups_per_iteration=2".to_string(), // the very_small config seats two partner seatings
             "training.group_size=2".to_string(),
             "training.max_episode_steps=6".to_string(),
             "eval.every=0".to_string(),
