@@ -451,7 +451,7 @@ fn check_finite(value: f32) -> Result<()> {
 /// Adds the adapters' gradients in `backward` to `pass`'s sums.
 fn add_grads(pass: &mut GradientPass, backward: &Gradients, used: &BTreeMap<String, LoraAdapter>) {
     for (name, adapter) in used {
-        if let Some(g) = adapter_grads(adapter, &backward) {
+        if let Some(g) = adapter_grads(adapter, backward) {
             let summed = match pass.grads.remove(name) {
                 None => g,
                 Some(acc) => acc
