@@ -139,23 +139,64 @@ impl MixedLora {
     }
 }
 
-impl ProjectionDelta for MixedLora {
-    /// # Shapes
-    /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
-    fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>> {
+impl MixedLora {
+    /// [`ProjectionDelta::delta`], with the factors outside autodiff unless `tracked`.
+    fn delta_of(&self, layer: usize, projection: Projection, x: &Tensor<3>, tracked: bool) -> Option<Tensor<3>> {
         let factors = self.sites.get(&(layer, projection))?;
         let x = self.dropped(x);
+        let plain = |t: &Tensor<2>| if tracked { t.clone() } else { t.clone().without_autodiff() };
+        let plain3 = |t: &Tensor<3>| if tracked { t.clone() } else { t.clone().without_autodiff() };
         Some(match factors {
             SiteFactors::Shared { a, b_scaled } => {
+                let (a, b_scaled) = (plain(a), plain(b_scaled));
                 let [batch, seq, fan_in] = x.dims();
                 let out = b_scaled.dims()[0];
                 let down = batched_matmul(x.reshape([1, batch * seq, fan_in]), a.clone().transpose().unsqueeze());
                 batched_matmul(down, b_scaled.clone().transpose().unsqueeze()).reshape([batch, seq, out])
             }
             SiteFactors::PerRow { a, b_scaled } => {
-                batched_matmul(batched_matmul(x, a.clone().swap_dims(1, 2)), b_scaled.clone().swap_dims(1, 2))
+                batched_matmul(batched_matmul(x, plain3(a).swap_dims(1, 2)), plain3(b_scaled).swap_dims(1, 2))
             }
         })
+    }
+}
+
+/// A [`MixedLora`] computed outside autodiff ([`ProjectionDelta::untracked`]).
+struct Untracked<'a>(&'a MixedLora);
+
+impl ProjectionDelta for Untracked<'_> {
+    fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>> {
+        self.0.delta_of(layer, projection, x, false)
+    }
+
+    fn random_position(&self) -> Option<u128> {
+        self.0.random_position()
+    }
+
+    fn rewind(&self, position: u128) {
+        self.0.rewind(position);
+    }
+}
+
+impl ProjectionDelta for MixedLora {
+    /// # Shapes
+    /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
+    fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>> {
+        self.delta_of(layer, projection, x, true)
+    }
+
+    fn untracked(&self) -> Option<Box<dyn ProjectionDelta + '_>> {
+        Some(Box::new(Untracked(self)))
+    }
+
+    fn random_position(&self) -> Option<u128> {
+        self.dropout.as_ref().map(|d| d.rng.borrow().get_word_pos())
+    }
+
+    fn rewind(&self, position: u128) {
+        if let Some(dropout) = &self.dropout {
+            dropout.rng.borrow_mut().set_word_pos(position);
+        }
     }
 
     /// The row's adapter, as its slot among the adapters of this batch (rows without one share

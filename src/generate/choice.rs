@@ -13,6 +13,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::error::{Result, TroupeError};
+use crate::model::checkpoint::{Checkpointed, Stream};
 use crate::model::fused::logsumexp;
 use crate::model::{AttentionLayout, CausalLm, ForwardArgs, ProjectionDelta};
 
@@ -212,8 +213,29 @@ pub fn candidate_logliks(
     score: ChoiceScore,
     delta: Option<&dyn ProjectionDelta>,
 ) -> Result<Tensor<2>> {
-    let [batch, width] = packed.tokens.dims();
     let hidden = lm.hidden_states(packed.tokens.clone(), ForwardArgs { layout: &packed.layout, cache: None, delta })?;
+    Ok(logliks_from_hidden(lm, packed, score, hidden))
+}
+
+/// [`candidate_logliks`] turned into a loss by `loss_of` and differentiated with activation
+/// checkpointing ([`crate::model::checkpoint`]).
+pub fn checkpointed_choice_loss(
+    lm: &CausalLm,
+    packed: &PackedChoices,
+    score: ChoiceScore,
+    delta: Option<&dyn ProjectionDelta>,
+    loss_of: impl FnOnce(Tensor<2>) -> Result<Tensor<1>>,
+) -> Result<Checkpointed> {
+    let streams = [Stream { tokens: packed.tokens.clone(), layout: &packed.layout, delta, after: None, output: true }];
+    lm.checkpointed_backward(&streams, |mut hidden| loss_of(logliks_from_hidden(lm, packed, score, hidden.remove(0))))
+}
+
+/// The candidates' log-likelihoods from the packed rows' final hidden states.
+///
+/// # Shapes
+/// `hidden`: `[batch, width, hidden]` -> `[decisions, max_candidates]`
+fn logliks_from_hidden(lm: &CausalLm, packed: &PackedChoices, score: ChoiceScore, hidden: Tensor<3>) -> Tensor<2> {
+    let [batch, width] = packed.tokens.dims();
     let size = hidden.dims()[2];
     let at = hidden.reshape([batch * width, size]).select(0, packed.predictors.clone());
     let logits = lm.lm_head.forward_2d(at);
@@ -234,7 +256,7 @@ pub fn candidate_logliks(
         ChoiceScore::Mean => per_candidate * packed.inverse_lengths.clone(),
     };
     let padded = Tensor::cat(vec![per_candidate, Tensor::<1>::full([1], ABSENT, &device)], 0);
-    Ok(padded.select(0, packed.decision_candidates.clone()).reshape([batch, packed.max_candidates]))
+    padded.select(0, packed.decision_candidates.clone()).reshape([batch, packed.max_candidates])
 }
 
 /// [`candidate_logliks`] read back to the host, each decision cut to its own candidates.

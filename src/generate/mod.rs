@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
+use crate::model::checkpoint::{Checkpointed, Stream};
 use crate::model::fused::token_logprob::log_sum_exp;
 use crate::model::fused::token_logprobs;
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
@@ -415,6 +416,66 @@ pub fn completion_logprobs(
     // Token f + j is predicted at position f + j - 1.
     let predictor = |b: usize, j: usize| b * seq + from[b] + j - 1;
     reply_logprobs(lm, hidden, &row_tokens, from, predictor)
+}
+
+/// [`completion_logprobs`] turned into a loss by `loss_of` and differentiated with activation
+/// checkpointing ([`crate::model::checkpoint`]): the same passes (each distinct prefix once
+/// when rows share one), the same log-probabilities, each decoder layer's activations
+/// recomputed in the backward pass instead of kept.
+pub fn checkpointed_completion_loss(
+    lm: &CausalLm,
+    batch: &ScoringBatch,
+    from: &[usize],
+    delta: Option<&dyn ProjectionDelta>,
+    loss_of: impl FnOnce(Tensor<2>) -> Result<Tensor<1>>,
+) -> Result<Checkpointed> {
+    let [rows, seq] = batch.tokens.dims();
+    if from.len() != rows || from.iter().zip(&batch.lengths).any(|(&f, &n)| f == 0 || f >= n) {
+        return Err(TroupeError::invalid(
+            "from",
+            "one completion start per row, after its first token and before its end",
+        ));
+    }
+    let tokens = &batch.host_tokens;
+    let row_tokens: Vec<&[u32]> = (0..rows).map(|b| &tokens[b * seq..b * seq + batch.lengths[b]]).collect();
+    let prefixes: Vec<&[u32]> = row_tokens.iter().zip(from).map(|(row, &f)| &row[..f - 1]).collect();
+    let device = lm.device().clone();
+    if let Some(share) = SharedPrefixes::find(&prefixes, delta) {
+        // As `shared_completion_logprobs`: the prefixes, then every row's suffix after them.
+        let prefixes: Vec<&[u32]> = share.unique.iter().map(|&r| &row_tokens[r][..from[r] - 1]).collect();
+        let (prefix_tokens, prefix_valid) = right_pad(&prefixes, 0);
+        let prefix_layout = SequenceLayout::new(share.unique.len()).step(&prefix_valid, &device);
+        let mut layout = SequenceLayout::new(rows);
+        layout.extend(&share.group_of_row.iter().map(|&g| prefix_valid[g].clone()).collect::<Vec<_>>());
+        let suffixes: Vec<&[u32]> = row_tokens.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect();
+        let (suffix_tokens, suffix_valid) = right_pad(&suffixes, 0);
+        let attention = layout.step(&suffix_valid, &device);
+        let streams = [
+            Stream {
+                tokens: lm.token_tensor(&prefix_tokens)?,
+                layout: &prefix_layout,
+                delta: share.unique_delta(),
+                after: None,
+                output: false,
+            },
+            Stream {
+                tokens: lm.token_tensor(&suffix_tokens)?,
+                layout: &attention,
+                delta,
+                after: Some((0, share.row_index(&device))),
+                output: true,
+            },
+        ];
+        let width = suffix_tokens[0].len();
+        return lm.checkpointed_backward(&streams, |mut hidden| {
+            loss_of(reply_logprobs(lm, hidden.remove(0), &row_tokens, from, |b, j| b * width + j)?)
+        });
+    }
+    let layout = SequenceLayout::new(rows).step(&batch.valid, &device);
+    let streams = [Stream { tokens: batch.tokens.clone(), layout: &layout, delta, after: None, output: true }];
+    lm.checkpointed_backward(&streams, |mut hidden| {
+        loss_of(reply_logprobs(lm, hidden.remove(0), &row_tokens, from, |b, j| b * seq + from[b] + j - 1)?)
+    })
 }
 
 /// [`completion_logprobs`] over rows grouped by `share`: each distinct prefix (`row[..from - 1]`)

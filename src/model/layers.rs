@@ -120,6 +120,25 @@ pub trait ProjectionDelta {
         let _ = rows;
         None
     }
+
+    /// The same deltas computed outside autodiff (no graph, nothing kept for a backward pass),
+    /// sharing this delta's random stream: what activation checkpointing's first forward runs
+    /// ([`crate::model::checkpoint`]). `None` (the default) when this delta cannot.
+    fn untracked(&self) -> Option<Box<dyn ProjectionDelta + '_>> {
+        None
+    }
+
+    /// Where this delta's random stream (dropout masks) stands, or `None` when its deltas draw
+    /// nothing: a recomputation rewinds to it ([`ProjectionDelta::rewind`]) to draw the masks
+    /// again.
+    fn random_position(&self) -> Option<u128> {
+        None
+    }
+
+    /// Sets the random stream to a position [`ProjectionDelta::random_position`] returned.
+    fn rewind(&self, position: u128) {
+        let _ = position;
+    }
 }
 
 /// The weight of a frozen linear projection.

@@ -3,6 +3,7 @@
 //! model.
 
 pub mod builtin;
+pub mod checkpoint;
 pub mod config;
 pub mod fingerprint;
 pub mod fused;

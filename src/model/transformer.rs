@@ -452,6 +452,38 @@ impl Mlp {
     }
 }
 
+impl DecoderLayer {
+    /// One layer over the residual stream `x`, the cache (if any) extended with this layer's
+    /// keys and values.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`
+    pub(crate) fn forward(
+        &self,
+        x: Tensor<3>,
+        layer: usize,
+        rope: (&Tensor<4>, &Tensor<4>),
+        args: &mut ForwardArgs<'_>,
+    ) -> Tensor<3> {
+        let attended = self.self_attn.forward(self.input_layernorm.forward(x.clone()), layer, rope, args);
+        let x = x + attended;
+        let fed = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()), layer, args.delta);
+        x + fed
+    }
+
+    /// Only this layer's keys and values of `x`, appended to the cache (what
+    /// [`CausalLm::fill_cache`] runs at its last layer).
+    pub(crate) fn fill_cache(
+        &self,
+        x: Tensor<3>,
+        layer: usize,
+        rope: (&Tensor<4>, &Tensor<4>),
+        args: &mut ForwardArgs<'_>,
+    ) {
+        self.self_attn.fill_cache(self.input_layernorm.forward(x), layer, rope, args);
+    }
+}
+
 impl CausalLm {
     /// Builds the model from `config` and the weights in `source` (Hugging Face tensor names),
     /// checking that every tensor exists with the shape the config implies.
@@ -617,8 +649,7 @@ impl CausalLm {
         }
         let Some(last) = self.layers.len().checked_sub(1) else { return Ok(()) };
         let (x, (cos, sin)) = self.run_layers(tokens, &mut args, last)?;
-        let layer = &self.layers[last];
-        layer.self_attn.fill_cache(layer.input_layernorm.forward(x), last, (&cos, &sin), &mut args);
+        self.layers[last].fill_cache(x, last, (&cos, &sin), &mut args);
         Ok(())
     }
 
@@ -649,12 +680,22 @@ impl CausalLm {
         let (cos, sin) = self.rope.tables(&args.layout.positions);
         let mut x = self.embed_tokens.forward(tokens);
         for (i, layer) in self.layers.iter().enumerate().take(layers) {
-            let attended = layer.self_attn.forward(layer.input_layernorm.forward(x.clone()), i, (&cos, &sin), args);
-            x = x + attended;
-            let fed = layer.mlp.forward(layer.post_attention_layernorm.forward(x.clone()), i, args.delta);
-            x = x + fed;
+            x = layer.forward(x, i, (&cos, &sin), args);
         }
         Ok((x, (cos, sin)))
+    }
+
+    /// The rotary tables of `layout`'s positions.
+    ///
+    /// # Shapes
+    /// -> two `[batch, 1, seq, head_dim]`
+    pub(crate) fn rope_tables(&self, layout: &AttentionLayout) -> (Tensor<4>, Tensor<4>) {
+        self.rope.tables(&layout.positions)
+    }
+
+    /// The longest sequence (cached plus new tokens) the rotary tables cover.
+    pub(crate) fn max_positions(&self) -> usize {
+        self.rope.max_positions()
     }
 
     /// Logits of the LM head for the given hidden states.

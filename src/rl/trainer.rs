@@ -220,6 +220,8 @@ impl MagrpoTrainer {
             model: &self.model,
             manager: &self.manager,
             micro_batch_rows: self.config.runtime.micro_batch_rows,
+            micro_batch_tokens: self.config.runtime.micro_batch_tokens,
+            gradient_checkpointing: self.config.runtime.gradient_checkpointing,
             temperature: f64::from(self.config.action.sampling().temperature),
             choice_score: self.config.action.choice_score,
             max_new_tokens: self.config.action.max_new_tokens,

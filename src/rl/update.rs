@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Gradients, Tensor, TensorData};
 
 use super::credit::batch::{TrainBatch, TrainRow};
 use super::flops::FlopModel;
@@ -14,8 +14,11 @@ use super::objective::{LossStats, Objective, RowTerms};
 use crate::adapters::optim::{adapter_grads, zero_grads, AdapterGrads};
 use crate::adapters::{AdapterMode, LoraAdapter, MultiAdapterManager};
 use crate::error::{Result, RunError, TroupeError};
-use crate::generate::choice::{candidate_logliks, choice_log_policy, chosen_indices, ChoiceScore, PackedChoices};
-use crate::generate::{completion_logprobs, ScoringBatch};
+use crate::generate::choice::{
+    candidate_logliks, checkpointed_choice_loss, choice_log_policy, chosen_indices, ChoiceScore, PackedChoices,
+};
+use crate::generate::{checkpointed_completion_loss, completion_logprobs, ScoringBatch};
+use crate::model::checkpoint::Checkpointed;
 use crate::model::Model;
 use crate::profile::{self, Phase};
 
@@ -31,6 +34,12 @@ pub struct Scorer<'a> {
     pub manager: &'a MultiAdapterManager,
     /// Rows per forward/backward micro-batch (`runtime.micro_batch_rows`).
     pub micro_batch_rows: usize,
+    /// Tokens per micro-batch (`runtime.micro_batch_tokens`): when set, micro-batches are
+    /// packed by tokens instead of cut every `micro_batch_rows` rows ([`Scorer::split`]).
+    pub micro_batch_tokens: Option<usize>,
+    /// Recompute each decoder layer's activations in the backward pass
+    /// (`runtime.gradient_checkpointing`, [`crate::model::checkpoint`]).
+    pub gradient_checkpointing: bool,
     /// The `choice` policy's temperature.
     pub temperature: f64,
     /// How a `choice` candidate is scored.
@@ -62,8 +71,32 @@ impl Scorer<'_> {
     /// chunked by `micro_batch_rows`.
     fn chunks<'b>(&self, batch: &'b TrainBatch) -> (Vec<Vec<&'b TrainRow>>, Vec<Vec<&'b TrainRow>>) {
         let (choices, replies): (Vec<&TrainRow>, Vec<&TrainRow>) = batch.rows.iter().partition(|r| r.choice.is_some());
-        let micro = self.micro_batch_rows.max(1);
-        (replies.chunks(micro).map(<[_]>::to_vec).collect(), choices.chunks(micro).map(<[_]>::to_vec).collect())
+        (self.split(&replies), self.split(&choices))
+    }
+
+    /// Cuts `rows` (in order) into micro-batches: every `micro_batch_rows` rows, or, with
+    /// `micro_batch_tokens`, packed greedily while the rows' tokens ([`packed_tokens`]) stay
+    /// within the budget (a row longer than the budget goes alone).
+    fn split<'b>(&self, rows: &[&'b TrainRow]) -> Vec<Vec<&'b TrainRow>> {
+        let Some(budget) = self.micro_batch_tokens else {
+            return rows.chunks(self.micro_batch_rows.max(1)).map(<[_]>::to_vec).collect();
+        };
+        let mut out: Vec<Vec<&TrainRow>> = Vec::new();
+        let mut current: Vec<&TrainRow> = Vec::new();
+        let mut used = 0;
+        for &row in rows {
+            let tokens = packed_tokens(row);
+            if !current.is_empty() && used + tokens > budget {
+                out.push(std::mem::take(&mut current));
+                used = 0;
+            }
+            current.push(row);
+            used += tokens;
+        }
+        if !current.is_empty() {
+            out.push(current);
+        }
+        out
     }
 
     /// Fills every row's [`TrainRow::reference_logprobs`] with the base model's (adapters off):
@@ -115,7 +148,6 @@ impl Scorer<'_> {
     ) -> (Vec<(usize, Vec<&'b TrainRow>)>, Vec<(usize, Vec<&'b TrainRow>)>) {
         let (replies, choices) = self.chunks(batch);
         let dropout = self.has_dropout(batch.rows.iter());
-        let micro = self.micro_batch_rows.max(1);
         let plan = |chunks: Vec<Vec<&'b TrainRow>>| -> Vec<(usize, Vec<&'b TrainRow>)> {
             if !skip {
                 return chunks.into_iter().enumerate().collect();
@@ -124,7 +156,7 @@ impl Scorer<'_> {
                 return chunks.into_iter().enumerate().filter(|(_, c)| c.iter().any(|r| r.advantage != 0.0)).collect();
             }
             let kept: Vec<&TrainRow> = chunks.into_iter().flatten().filter(|r| r.advantage != 0.0).collect();
-            kept.chunks(micro).map(<[_]>::to_vec).enumerate().collect()
+            self.split(&kept).into_iter().enumerate().collect()
         };
         (plan(replies), plan(choices))
     }
@@ -195,33 +227,47 @@ impl Scorer<'_> {
             let tokens: Vec<Vec<u32>> = chunk.iter().map(|r| r.tokens.clone()).collect();
             let from: Vec<usize> = chunk.iter().map(|r| r.prompt_len).collect();
             let scoring = ScoringBatch::new(&self.model.lm, &tokens)?;
+            let loss_of = |logprobs: Tensor<2>| -> Result<(Tensor<1>, LossStats)> {
+                let positions = logprobs.dims()[1];
+                let mut terms = RowTerms {
+                    advantage: chunk.iter().map(|r| r.advantage).collect(),
+                    denominator: chunk.iter().map(|r| denominator(r)).collect(),
+                    counted: Vec::with_capacity(chunk.len()),
+                    sampled: Vec::with_capacity(chunk.len()),
+                };
+                let mut reference = Vec::with_capacity(chunk.len() * positions);
+                for row in chunk {
+                    let counted: Vec<bool> = (0..positions).map(|j| j < row.units()).collect();
+                    let at = |values: &[f32]| -> Vec<f32> {
+                        (0..positions)
+                            .map(|j| if counted[j] { values.get(j).copied().unwrap_or(0.0) } else { 0.0 })
+                            .collect()
+                    };
+                    terms.sampled.push(at(&row.sampling_logprobs));
+                    if with_reference {
+                        reference.extend(at(row.reference_logprobs.as_deref().unwrap_or_default()));
+                    }
+                    terms.counted.push(counted);
+                }
+                let reference = with_reference.then(|| {
+                    Tensor::<2>::from_data(TensorData::new(reference, [chunk.len(), positions]), &logprobs.device())
+                });
+                objective.token_loss(logprobs, &terms, reference)
+            };
+            if self.gradient_checkpointing {
+                let mut stats = LossStats::default();
+                let run = checkpointed_completion_loss(&self.model.lm, &scoring, &from, Some(&delta), |logprobs| {
+                    let (loss, got) = loss_of(logprobs)?;
+                    stats = got;
+                    Ok(loss)
+                })?;
+                pass.stats.add(&stats);
+                accumulate_checkpointed(&mut pass, run, &used, started)?;
+                continue;
+            }
             // The LM head runs only at completion positions: position j scores reply token j.
             let logprobs = completion_logprobs(&self.model.lm, &scoring, &from, Some(&delta))?;
-            let positions = logprobs.dims()[1];
-            let mut terms = RowTerms {
-                advantage: chunk.iter().map(|r| r.advantage).collect(),
-                denominator: chunk.iter().map(|r| denominator(r)).collect(),
-                counted: Vec::with_capacity(chunk.len()),
-                sampled: Vec::with_capacity(chunk.len()),
-            };
-            let mut reference = Vec::with_capacity(chunk.len() * positions);
-            for row in chunk {
-                let counted: Vec<bool> = (0..positions).map(|j| j < row.units()).collect();
-                let at = |values: &[f32]| -> Vec<f32> {
-                    (0..positions)
-                        .map(|j| if counted[j] { values.get(j).copied().unwrap_or(0.0) } else { 0.0 })
-                        .collect()
-                };
-                terms.sampled.push(at(&row.sampling_logprobs));
-                if with_reference {
-                    reference.extend(at(row.reference_logprobs.as_deref().unwrap_or_default()));
-                }
-                terms.counted.push(counted);
-            }
-            let reference = with_reference.then(|| {
-                Tensor::<2>::from_data(TensorData::new(reference, [chunk.len(), positions]), &logprobs.device())
-            });
-            let (loss, stats) = objective.token_loss(logprobs, &terms, reference)?;
+            let (loss, stats) = loss_of(logprobs)?;
             pass.stats.add(&stats);
             accumulate(&mut pass, loss, &used, started)?;
         }
@@ -231,29 +277,39 @@ impl Scorer<'_> {
             let (delta, used) = self.manager.mixed_for_training(&agents, seed ^ (1 << 32) ^ *chunk_index as u64)?;
             let decisions = decisions(chunk);
             let packed = PackedChoices::new(&self.model.lm, &decisions)?;
-            let log_policy = choice_log_policy(
-                candidate_logliks(&self.model.lm, &packed, self.choice_score, Some(&delta))?,
-                self.temperature,
-            );
-            let device = log_policy.device();
-            let width = log_policy.dims()[1];
-            let chosen: Vec<usize> = chunk.iter().map(|r| r.choice.as_ref().map_or(0, |c| c.chosen)).collect();
-            let terms = RowTerms {
-                advantage: chunk.iter().map(|r| r.advantage).collect(),
-                denominator: chunk.iter().map(|r| denominator(r)).collect(),
-                counted: vec![vec![true]; chunk.len()],
-                sampled: chunk.iter().map(|r| vec![r.sampling_logprobs.first().copied().unwrap_or(0.0)]).collect(),
+            let loss_of = |logliks: Tensor<2>| -> Result<(Tensor<1>, LossStats)> {
+                let log_policy = choice_log_policy(logliks, self.temperature);
+                let device = log_policy.device();
+                let width = log_policy.dims()[1];
+                let chosen: Vec<usize> = chunk.iter().map(|r| r.choice.as_ref().map_or(0, |c| c.chosen)).collect();
+                let terms = RowTerms {
+                    advantage: chunk.iter().map(|r| r.advantage).collect(),
+                    denominator: chunk.iter().map(|r| denominator(r)).collect(),
+                    counted: vec![vec![true]; chunk.len()],
+                    sampled: chunk.iter().map(|r| vec![r.sampling_logprobs.first().copied().unwrap_or(0.0)]).collect(),
+                };
+                let reference = with_reference.then(|| {
+                    let mut values = Vec::with_capacity(chunk.len() * width);
+                    for row in chunk {
+                        let present = row.reference_logprobs.as_deref().unwrap_or_default();
+                        values.extend((0..width).map(|k| present.get(k).copied().unwrap_or(ABSENT_LOGPROB)));
+                    }
+                    Tensor::<2>::from_data(TensorData::new(values, [chunk.len(), width]), &device)
+                });
+                objective.choice_loss(log_policy, chosen_indices(&chosen, &device), &terms, reference)
             };
-            let reference = with_reference.then(|| {
-                let mut values = Vec::with_capacity(chunk.len() * width);
-                for row in chunk {
-                    let present = row.reference_logprobs.as_deref().unwrap_or_default();
-                    values.extend((0..width).map(|k| present.get(k).copied().unwrap_or(ABSENT_LOGPROB)));
-                }
-                Tensor::<2>::from_data(TensorData::new(values, [chunk.len(), width]), &device)
-            });
-            let (loss, stats) =
-                objective.choice_loss(log_policy, chosen_indices(&chosen, &device), &terms, reference)?;
+            if self.gradient_checkpointing {
+                let mut stats = LossStats::default();
+                let run = checkpointed_choice_loss(&self.model.lm, &packed, self.choice_score, Some(&delta), |l| {
+                    let (loss, got) = loss_of(l)?;
+                    stats = got;
+                    Ok(loss)
+                })?;
+                pass.stats.add(&stats);
+                accumulate_checkpointed(&mut pass, run, &used, started)?;
+                continue;
+            }
+            let (loss, stats) = loss_of(candidate_logliks(&self.model.lm, &packed, self.choice_score, Some(&delta))?)?;
             pass.stats.add(&stats);
             accumulate(&mut pass, loss, &used, started)?;
         }
@@ -330,6 +386,15 @@ impl Scorer<'_> {
     }
 }
 
+/// The tokens a row puts through the model in a micro-batch: prompt and reply, or a `choice`
+/// decision's prompt and every candidate.
+fn packed_tokens(row: &TrainRow) -> usize {
+    match &row.choice {
+        Some(choice) => row.prompt_len + choice.candidates.iter().map(Vec::len).sum::<usize>(),
+        None => row.tokens.len(),
+    }
+}
+
 /// Each decision's prompt and candidates.
 fn decisions<'b>(chunk: &[&'b TrainRow]) -> Vec<(&'b [u32], &'b [Vec<u32>])> {
     chunk
@@ -349,15 +414,44 @@ fn accumulate(
     let value: f32 = loss.clone().into_scalar();
     profile::since(Phase::UpdateForward, started);
     let backward_started = Instant::now();
+    check_finite(value)?;
+    pass.loss += f64::from(value);
+    add_grads(pass, &loss.backward(), used);
+    profile::since(Phase::Backward, backward_started);
+    Ok(())
+}
+
+/// [`accumulate`] for a checkpointed forward and backward (begun at `started`; its
+/// recomputations are counted as the backward's, which they are part of).
+fn accumulate_checkpointed(
+    pass: &mut GradientPass,
+    run: Checkpointed,
+    used: &BTreeMap<String, LoraAdapter>,
+    started: Instant,
+) -> Result<()> {
+    profile::since(Phase::Backward, started);
+    check_finite(run.loss)?;
+    pass.loss += f64::from(run.loss);
+    for grads in &run.grads {
+        add_grads(pass, grads, used);
+    }
+    Ok(())
+}
+
+/// Refuses a non-finite loss.
+fn check_finite(value: f32) -> Result<()> {
     if !value.is_finite() {
         return Err(TroupeError::Run(RunError::NonFinite {
             message: format!("the loss is {value}; stopped before any update"),
         }));
     }
-    pass.loss += f64::from(value);
-    let backward = loss.backward();
+    Ok(())
+}
+
+/// Adds the adapters' gradients in `backward` to `pass`'s sums.
+fn add_grads(pass: &mut GradientPass, backward: &Gradients, used: &BTreeMap<String, LoraAdapter>) {
     for (name, adapter) in used {
-        if let Some(g) = adapter_grads(adapter, &backward) {
+        if let Some(g) = adapter_grads(adapter, backward) {
             let summed = match pass.grads.remove(name) {
                 None => g,
                 Some(acc) => acc
@@ -368,8 +462,6 @@ fn accumulate(
             pass.grads.insert(name.clone(), summed);
         }
     }
-    profile::since(Phase::Backward, backward_started);
-    Ok(())
 }
 
 #[cfg(test)]
@@ -403,6 +495,8 @@ mod tests {
             model,
             manager,
             micro_batch_rows: 3,
+            micro_batch_tokens: None,
+            gradient_checkpointing: false,
             temperature: 1.0,
             choice_score: ChoiceScore::Sum,
             max_new_tokens: 8,
@@ -491,6 +585,117 @@ mod tests {
         assert!(flat(&all.grads["agent_1"]).iter().all(|v| *v == 0.0));
         assert_eq!(flat(&all.grads["agent_1"]), flat(&skipped.grads["agent_1"]));
         same_gradients(&all, &skipped, 1e-5);
+    }
+
+    #[test]
+    fn token_sized_micro_batches_give_the_loss_and_gradients_of_row_sized_ones() {
+        let (model, manager) = setup(0.0);
+        let mut batch = batch(&model, [1.0, -0.5, 0.25, 2.0, -1.0, 0.5]);
+        on_policy(&model, &manager, &mut batch);
+        let lengths: Vec<usize> = batch.rows.iter().map(|r| r.tokens.len()).collect();
+        for kind in [ObjectiveKind::Magrpo, ObjectiveKind::Clipped] {
+            let objective = objective(kind, 0.0);
+            let rows = scorer(&model, &manager, false).gradients(&batch, &objective, 7).unwrap();
+            // One row each, rows packed two or three at a time, all in one.
+            let longest = *lengths.iter().max().unwrap();
+            for budget in [1, longest + 1, 2 * longest, 3 * longest, 10_000] {
+                let tokens = Scorer { micro_batch_tokens: Some(budget), ..scorer(&model, &manager, false) };
+                let cut = tokens.split(&batch.rows.iter().collect::<Vec<_>>());
+                assert_eq!(cut.iter().map(Vec::len).sum::<usize>(), 6);
+                for chunk in &cut {
+                    let used: usize = chunk.iter().map(|r| r.tokens.len()).sum();
+                    assert!(chunk.len() == 1 || used <= budget, "budget {budget}: {used} tokens in {}", chunk.len());
+                }
+                let got = tokens.gradients(&batch, &objective, 7).unwrap();
+                assert!((rows.loss - got.loss).abs() <= 1e-5 * rows.loss.abs().max(1.0), "{kind:?} {budget}: loss");
+                same_gradients(&rows, &got, 1e-5);
+                assert_eq!(rows.stats.ratio_units, got.stats.ratio_units);
+            }
+        }
+        // Greedy packing in order: a row longer than the budget goes alone.
+        let tokens = Scorer { micro_batch_tokens: Some(lengths[0] + lengths[1]), ..scorer(&model, &manager, false) };
+        let cut = tokens.split(&batch.rows.iter().collect::<Vec<_>>());
+        assert_eq!(cut[0].len(), 2, "the first two rows fit exactly");
+        let alone = Scorer { micro_batch_tokens: Some(1), ..scorer(&model, &manager, false) };
+        assert!(alone.split(&batch.rows.iter().collect::<Vec<_>>()).iter().all(|c| c.len() == 1));
+    }
+
+    /// Replies where rows 0-1 and 2-3 answer one prompt each on one agent (so the prompt is
+    /// computed once and shared), then two `choice` decisions.
+    fn mixed_batch(model: &Model) -> TrainBatch {
+        let enc = |t: &str| model.tokenizer.encode(t).unwrap();
+        let mut rows = Vec::new();
+        for (i, (prompt, reply, agent, advantage)) in [
+            ("A long shared post about cats: summarise it.", "TL;DR: cats.", 0, 1.0),
+            ("A long shared post about cats: summarise it.", "Cats sit on mats, mostly", 0, -0.5),
+            ("Another post, on dogs and walks: summarise.", "Dogs walk.", 1, 0.75),
+            ("Another post, on dogs and walks: summarise.", "No.", 1, -1.25),
+            ("Lone post.", "ok then ok", 0, 0.5),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut tokens = enc(prompt);
+            let prompt_len = tokens.len();
+            tokens.extend(enc(reply));
+            let units = tokens.len() - prompt_len;
+            rows.push(TrainRow {
+                agent,
+                tokens,
+                prompt_len,
+                advantage,
+                sampling_logprobs: vec![-2.0 - 0.1 * i as f32; units],
+                choice: None,
+                reference_logprobs: None,
+            });
+        }
+        for (agent, prompt, advantage) in [(1, "Your turn. Legal: play 1-5", 1.5), (0, "Bid:", -0.5)] {
+            let tokens = enc(prompt);
+            let candidates = vec![enc("play 1"), enc("discard 3 [??]"), enc("hint red")];
+            rows.push(TrainRow {
+                agent,
+                prompt_len: tokens.len(),
+                tokens,
+                advantage,
+                sampling_logprobs: vec![-1.1],
+                choice: Some(crate::rl::rollout::ChoiceTurn { candidates, chosen: 1, entropy: 0.0 }),
+                reference_logprobs: None,
+            });
+        }
+        TrainBatch { rows }
+    }
+
+    #[test]
+    fn gradient_checkpointing_gives_the_loss_and_gradients_of_a_plain_backward() {
+        for dropout in [0.0, 0.2] {
+            let (model, manager) = setup(dropout);
+            for batch in [batch(&model, [1.0, -0.5, 0.25, 2.0, -1.0, 0.5]), mixed_batch(&model)] {
+                for (kind, kl) in
+                    [(ObjectiveKind::Magrpo, 0.0), (ObjectiveKind::Clipped, 0.0), (ObjectiveKind::Magrpo, 0.1)]
+                {
+                    let mut batch = batch.clone();
+                    let objective = objective(kind, kl);
+                    if kl > 0.0 {
+                        scorer(&model, &manager, false).attach_reference(&mut batch).unwrap();
+                    }
+                    let plain = scorer(&model, &manager, false).gradients(&batch, &objective, 5).unwrap();
+                    let checkpointed = Scorer { gradient_checkpointing: true, ..scorer(&model, &manager, false) }
+                        .gradients(&batch, &objective, 5)
+                        .unwrap();
+                    let case = format!("dropout {dropout}, {kind:?}, kl {kl}");
+                    assert!(
+                        (plain.loss - checkpointed.loss).abs() <= 1e-5 * plain.loss.abs().max(1.0),
+                        "{case}: loss {} vs {}",
+                        plain.loss,
+                        checkpointed.loss
+                    );
+                    assert!(plain.grads.values().all(|g| flat(g).iter().any(|v| *v != 0.0)), "{case}: gradients");
+                    same_gradients(&plain, &checkpointed, 1e-5);
+                    assert_eq!(plain.stats.ratio_units, checkpointed.stats.ratio_units, "{case}");
+                    assert!((plain.stats.kl_sum - checkpointed.stats.kl_sum).abs() <= 1e-5, "{case}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -326,6 +326,23 @@ mod tests {
     }
 
     #[test]
+    fn runtime_micro_batch_tokens_and_checkpointing_read_and_refuse_by_name() {
+        let config = parse("runtime: {micro_batch_tokens: 2048, gradient_checkpointing: true}", &[]).unwrap();
+        assert_eq!(config.runtime.micro_batch_tokens, Some(2048));
+        assert!(config.runtime.gradient_checkpointing);
+        let defaults = parse("", &[]).unwrap();
+        assert_eq!((defaults.runtime.micro_batch_tokens, defaults.runtime.gradient_checkpointing), (None, false));
+        let err = error("runtime: {micro_batch_tokens: 0}", &[]);
+        assert!(err.starts_with("configs/test.yaml: runtime.micro_batch_tokens: must be at least 1"), "{err}");
+        let err = error("runtime: {micro_batch_tokens: many}", &[]);
+        assert!(err.contains("runtime.micro_batch_tokens") && err.contains("invalid type"), "{err}");
+        let err = error("", &["runtime.micro_batch_tokens=99999999999"]);
+        assert!(err.contains("runtime.micro_batch_tokens") && err.contains("too large"), "{err}");
+        let err = error("runtime: {gradient_checkpointing: 3}", &[]);
+        assert!(err.contains("runtime.gradient_checkpointing") && err.contains("invalid type"), "{err}");
+    }
+
+    #[test]
     fn yaml_syntax_errors_name_the_file() {
         let err = error("training: {group_size: 4\n", &[]);
         assert!(err.starts_with("configs/test.yaml: ") && err.contains("line"), "{err}");

@@ -113,6 +113,16 @@ config_section! {
     pub struct RuntimeConfig {
         /// Rows (replies, or `choice` decisions) per forward/backward micro-batch of the update.
         pub micro_batch_rows: usize = 16,
+        /// When set, the update's micro-batches are sized by tokens instead of rows: rows are
+        /// packed in order while their tokens (prompt + reply; for a `choice` decision, prompt +
+        /// every candidate) stay within this budget, and a row longer than the budget goes
+        /// alone. Unset: `micro_batch_rows` rows per micro-batch.
+        pub micro_batch_tokens: Option<usize> = None,
+        /// Activation checkpointing in the update: each decoder layer's activations are
+        /// recomputed in the backward pass instead of kept from the forward, so only the
+        /// residual stream between layers (and one layer's activations at a time) is held.
+        /// Costs one more forward pass of the layers; the gradients are the same.
+        pub gradient_checkpointing: bool = false,
         /// Evaluation episodes played together in one batch of rollouts.
         pub eval_batch_episodes: usize = 64,
     }

@@ -31,6 +31,8 @@ pub const MAX_WARMUP_BATCH: usize = 65_536;
 pub const MAX_WARMUP_STEPS: usize = 1_000_000;
 /// Most rows in one forward/backward pass, and most episodes played at once in evaluation.
 pub const MAX_BATCH_ROWS: usize = 65_536;
+/// Most tokens in one micro-batch of the update (`runtime.micro_batch_tokens`).
+pub const MAX_BATCH_TOKENS: usize = 1 << 30;
 /// Highest LoRA rank (the model's own dimensions bound it further, checked against the model).
 pub const MAX_LORA_RANK: usize = 65_536;
 /// Most steps in one episode, and most retries of an illegal reply.
@@ -93,6 +95,15 @@ impl TrainConfig {
             return refuse("runtime.micro_batch_rows", "must be at least 1");
         }
         at_most("runtime.micro_batch_rows", self.runtime.micro_batch_rows, MAX_BATCH_ROWS)?;
+        if let Some(tokens) = self.runtime.micro_batch_tokens {
+            if tokens == 0 {
+                return refuse(
+                    "runtime.micro_batch_tokens",
+                    "must be at least 1 (or left out for row-sized micro-batches)",
+                );
+            }
+            at_most("runtime.micro_batch_tokens", tokens, MAX_BATCH_TOKENS)?;
+        }
         at_most("runtime.eval_batch_episodes", self.runtime.eval_batch_episodes, MAX_BATCH_ROWS)
     }
 
