@@ -41,6 +41,17 @@ fn write_config(dir: &Path, iterations: usize) -> std::path::PathBuf {
 }
 
 #[test]
+fn a_run_of_no_iterations_writes_the_fresh_adapters_and_succeeds() {
+    // `run.iterations: 0` is how a user gets `iteration-000000` to evaluate the base model.
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write_config(tmp.path(), 0);
+    let summary = json_stdout(&troupe(&["train", "--config", config.to_str().unwrap(), "--quiet"]));
+    assert_eq!(summary["iterations"], 0);
+    assert_eq!(summary["plots"], serde_json::json!([]));
+    assert!(tmp.path().join("run/checkpoints/iteration-000000").is_dir());
+}
+
+#[test]
 fn train_writes_a_run_directory_and_eval_reads_it() {
     let tmp = tempfile::tempdir().unwrap();
     let config = write_config(tmp.path(), 2);

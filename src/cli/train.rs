@@ -162,9 +162,13 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
     if args.profile {
         eprint!("{}", profile_table(&profiled));
     }
-    let (plots, plot_error) = match crate::rl::run::plot::plot_run(&run.run_dir) {
-        Ok(paths) => (paths, None),
-        Err(err) => (Vec::new(), Some(err)),
+    // A run of no iterations (`run.iterations: 0`, the fresh adapters alone) has no curve to draw.
+    let (plots, plot_error) = match run.iteration() {
+        0 => (Vec::new(), None),
+        _ => match crate::rl::run::plot::plot_run(&run.run_dir) {
+            Ok(paths) => (paths, None),
+            Err(err) => (Vec::new(), Some(err)),
+        },
     };
     let summary = json!({
         "run_dir": run.run_dir,
