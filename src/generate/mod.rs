@@ -395,14 +395,7 @@ pub fn completion_logprobs(
     delta: Option<&dyn ProjectionDelta>,
 ) -> Result<Tensor<2>> {
     let [rows, seq] = batch.tokens.dims();
-    if from.len() != rows || from.iter().zip(&batch.lengths).any(|(&f, &n)| f == 0 || f >= n) {
-        return Err(TroupeError::invalid(
-            "from",
-            "one completion start per row, after its first token and before its end",
-        ));
-    }
-    let tokens = &batch.host_tokens;
-    let row_tokens: Vec<&[u32]> = (0..rows).map(|b| &tokens[b * seq..b * seq + batch.lengths[b]]).collect();
+    let row_tokens = completion_rows(batch, from)?;
     // Rows that share everything before their last prompt token (a GRPO group's prompt)
     // compute it once: the forward runs over each distinct prefix, then over every row's
     // rest (its last prompt token, which predicts the first reply token, and its reply).
@@ -418,6 +411,20 @@ pub fn completion_logprobs(
     reply_logprobs(lm, hidden, &row_tokens, from, predictor)
 }
 
+/// Each row's tokens of `batch` (its padding cut), once `from` is checked: one completion start
+/// per row, after its first token and before its end.
+fn completion_rows<'b>(batch: &'b ScoringBatch, from: &[usize]) -> Result<Vec<&'b [u32]>> {
+    let [rows, seq] = batch.tokens.dims();
+    if from.len() != rows || from.iter().zip(&batch.lengths).any(|(&f, &n)| f == 0 || f >= n) {
+        return Err(TroupeError::invalid(
+            "from",
+            "one completion start per row, after its first token and before its end",
+        ));
+    }
+    let tokens = &batch.host_tokens;
+    Ok((0..rows).map(|b| &tokens[b * seq..b * seq + batch.lengths[b]]).collect())
+}
+
 /// [`completion_logprobs`] turned into a loss by `loss_of` and differentiated with activation
 /// checkpointing ([`crate::model::checkpoint`]): the same passes (each distinct prefix once
 /// when rows share one), the same log-probabilities, each decoder layer's activations
@@ -430,14 +437,7 @@ pub fn checkpointed_completion_loss(
     loss_of: impl FnOnce(Tensor<2>) -> Result<Tensor<1>>,
 ) -> Result<Checkpointed> {
     let [rows, seq] = batch.tokens.dims();
-    if from.len() != rows || from.iter().zip(&batch.lengths).any(|(&f, &n)| f == 0 || f >= n) {
-        return Err(TroupeError::invalid(
-            "from",
-            "one completion start per row, after its first token and before its end",
-        ));
-    }
-    let tokens = &batch.host_tokens;
-    let row_tokens: Vec<&[u32]> = (0..rows).map(|b| &tokens[b * seq..b * seq + batch.lengths[b]]).collect();
+    let row_tokens = completion_rows(batch, from)?;
     let prefixes: Vec<&[u32]> = row_tokens.iter().zip(from).map(|(row, &f)| &row[..f - 1]).collect();
     let device = lm.device().clone();
     if let Some(share) = SharedPrefixes::find(&prefixes, delta) {
