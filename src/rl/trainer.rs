@@ -27,7 +27,7 @@ use super::flops::FlopModel;
 use super::objective::{LossStats, Objective};
 use super::optimizer::{clip_fraction, AgentOptimizers};
 use super::rollout::stats::RolloutStats;
-use super::rollout::{episode_rngs, make_env, run_episodes, EpisodeRecord};
+use super::rollout::{episode_rngs, make_env, EpisodeRecord};
 use super::update::Scorer;
 pub use super::warmup::FormatWarmup;
 use crate::adapters::{AdamWState, MultiAdapterManager};
@@ -289,27 +289,14 @@ impl MagrpoTrainer {
         }
         let spec = self.config.env.spec();
         let rollout = self.config.rollout_config();
-        let partners = &self.config.training.partners;
-        if partners.is_empty() {
-            let mut envs = Vec::with_capacity(range.len());
-            let mut seeds = Vec::with_capacity(range.len());
-            for episode in range.clone() {
-                envs.push(make_env(&self.registry, &spec)?);
-                seeds.push(plan.starts[episode / plan.group_size]);
-            }
-            let mut rngs = episode_rngs(plan.episode_seed, range.start, range.len());
-            return run_episodes(
-                &self.model,
-                &self.manager,
-                &mut envs,
-                &seeds,
-                &self.config.agents.seats,
-                &rollout,
-                &mut rngs,
-            );
-        }
-        // With fixed partners, the episodes of each seating are played together; every episode
-        // keeps its own generator, so its record is the one it would have in any batch.
+        // Episodes are played together per seating (self-play alone: one seating, no partner);
+        // every episode keeps its own generator, so its record is the one it would have in any
+        // batch.
+        let self_play = [BTreeMap::new()];
+        let partners = match self.config.training.partners.as_slice() {
+            [] => &self_play[..],
+            seatings => seatings,
+        };
         let play = super::rollout::Rollout {
             model: &self.model,
             manager: &self.manager,
