@@ -17,10 +17,10 @@ reference stack (`pip install -r fixtures/regenerate/requirements.txt`: torch, t
    the LoRA factors in float32 on it), and computes log p(token t | tokens < t) for each text.
 3. Runs `troupe logprobs --adapter DIR:agent_N` on the same model and texts, `--dtype f32` and
    `--dtype bf16`, and prints the largest differences as one JSON object; it exits non-zero if a
-   difference exceeds the tolerances of `tests/mixed_precision.rs` (float32 against float32: 1e-3).
+   difference exceeds the tolerances of `tests/it/mixed_precision.rs` (float32 against float32: 1e-3).
 
 --fixture-out DIR writes the trained adapters (DIR/adapters) and PEFT's outputs on them
-(DIR/expected.json) for `tests/mixed_precision.rs`, which checks troupe against them without torch.
+(DIR/expected.json) for `tests/it/mixed_precision.rs`, which checks troupe against them without torch.
 --adapters DIR skips training and checks an existing adapter directory (its base: `--model`).
 """
 import argparse
@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE_MODEL = ROOT / "fixtures" / "models" / "tiny-qwen2"
-# The tolerances of tests/mixed_precision.rs (and 1e-3 for float32 against float32).
+# The tolerances of tests/it/mixed_precision.rs (and 1e-3 for float32 against float32).
 TOLERANCES = {"troupe_f32_vs_peft_f32": 1e-3, "troupe_bf16_vs_peft_f32": 0.15, "troupe_bf16_vs_peft_bf16": 0.25}
 # Hanabi-like prompts (the compact observation's vocabulary) and the fixture texts; all fit in the
 # fixture model's 512 positions, so the committed fixture is checked on the committed model.

@@ -471,8 +471,9 @@ impl<C: CheckpointStrategy> MaskedAttentionBackend for Autodiff<Flex, C> {
 }
 
 /// Masked grouped-query attention (scale `1 / sqrt(head_dim)`): fused on the CPU; elsewhere
-/// (and for any dtype but f32) burn's attention, with the key/value heads repeated except where
-/// burn's CPU attention shares them itself. `mask` and `host_mask` are the same mask.
+/// (and for any dtype but f32) burn's attention, through [`grouped_attention`] except where
+/// burn's CPU attention shares the key/value heads itself. `mask` and `host_mask` are the same
+/// mask.
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
@@ -494,30 +495,36 @@ pub fn attention(
             host_mask.clone(),
         ));
     }
-    // burn's CPU attention shares each key/value head among its query heads itself; its
-    // differentiable fallback and the other backends' attention (CUDA's refuses a key/value head
-    // count other than the query's) need them repeated.
-    let group = q.dims()[1] / k.dims()[1];
     let differentiable = q.is_autodiff() || k.is_autodiff() || v.is_autodiff();
-    let shares_heads = flex && !differentiable;
-    let (k, v) = if shares_heads { (k, v) } else { (repeat_kv(k, group), repeat_kv(v, group)) };
-    let options = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
-    burn_attention(q, k, v, Some(mask.clone()), None, options)
+    if flex && !differentiable {
+        // burn's CPU attention shares each key/value head among its query heads itself.
+        return burn_attention(q, k, v, Some(mask.clone()), None, OPTIONS);
+    }
+    grouped_attention(q, k, v, mask)
 }
 
-/// Repeats each key/value head `group` times so grouped-query attention becomes plain attention.
+/// burn's attention: scale `1 / sqrt(head_dim)`, the mask given, not causal by itself.
+const OPTIONS: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+
+/// Grouped-query attention through burn's attention, for backends whose attention wants as many
+/// key/value heads as query heads (CUDA's; burn's differentiable fallback), without repeating
+/// the key/value heads: the `group` query heads of each key/value head are folded into its query
+/// positions, so keys and values are read once as they are and only the boolean mask is repeated
+/// (`group` times its rows). No key/value copy forward, no sum over the copies backward.
 ///
 /// # Shapes
-/// `[batch, kv_heads, seq, head_dim]` -> `[batch, kv_heads * group, seq, head_dim]`
-fn repeat_kv(x: Tensor<4>, group: usize) -> Tensor<4> {
+/// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
+/// `[batch, 1, seq, keys]` -> `[batch, heads, seq, head_dim]`
+pub fn grouped_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: &Tensor<4, Bool>) -> Tensor<4> {
+    let [batch, heads, seq, head_dim] = q.dims();
+    let [_, kv_heads, keys, _] = k.dims();
+    let group = heads / kv_heads;
     if group == 1 {
-        return x;
+        return burn_attention(q, k, v, Some(mask.clone()), None, OPTIONS);
     }
-    let [batch, kv_heads, seq, head_dim] = x.dims();
-    x.unsqueeze_dim::<5>(2).expand([batch, kv_heads, group, seq, head_dim]).reshape([
-        batch,
-        kv_heads * group,
-        seq,
-        head_dim,
-    ])
+    // Query head `h` reads key/value head `h / group`: `[batch, kv_heads, group, seq]` rows.
+    let q = q.reshape([batch, kv_heads, group * seq, head_dim]);
+    let mask =
+        mask.clone().unsqueeze_dim::<5>(2).expand([batch, 1, group, seq, keys]).reshape([batch, 1, group * seq, keys]);
+    burn_attention(q, k, v, Some(mask), None, OPTIONS).reshape([batch, heads, seq, head_dim])
 }

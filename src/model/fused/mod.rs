@@ -32,7 +32,7 @@ pub mod swiglu;
 pub mod token_logprob;
 pub mod vexp;
 
-pub use attention::{attention, HostMask};
+pub use attention::{attention, grouped_attention, HostMask};
 pub use linear::dense_linear;
 pub use matmul::batched_matmul;
 pub use rms_norm::rms_norm;

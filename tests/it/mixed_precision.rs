@@ -17,7 +17,7 @@
 //! within [`BF16_VS_TRANSFORMERS_BF16`] (measured 9.7e-2; `tools/peft_check.py` trains afresh
 //! and checks the same).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -4,7 +4,7 @@
 //! 2e-3, greedy tokens equal up to EOS, for the dequantized base and for the base kept quantized.
 //! The file is fetched once and cached under the target directory (see `common::smollm2_gguf`).
 
-mod common;
+use crate::common;
 
 use burn::tensor::Device;
 use common::*;

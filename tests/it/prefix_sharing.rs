@@ -2,7 +2,7 @@
 //! once (a GRPO group's prompt), in generation and in scoring, and get what each row gets alone:
 //! the same sampled tokens and log-probs, the same reply log-probs, the same adapter gradients.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

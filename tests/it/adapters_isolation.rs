@@ -2,7 +2,7 @@
 //! own rows; optimizer steps on one agent's rows leave every other adapter, its optimizer state
 //! and the base byte-identical; shared mode's one step equals the scaled accumulation.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 

@@ -5,7 +5,7 @@
 //! before, values that cannot fit the model or memory are refused before anything is written,
 //! and empty, cut-off or edited inputs get a clear error.
 
-mod common;
+use crate::common;
 use common::{stderr, succeeds};
 
 use std::path::{Path, PathBuf};

@@ -1,7 +1,7 @@
 //! Training runs on disk: exact resume, checkpoints that survive a kill, the NaN stop, and the
 //! eval summary. Tiny settings (built-in tiny model, 2-step Hanabi episodes) keep them fast.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

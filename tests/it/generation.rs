@@ -2,7 +2,7 @@
 //! step, for a batch of prompts of different lengths; batching does not change a row's output;
 //! a seed fixes sampled text; EOS and max-new-tokens stop rows.
 
-mod common;
+use crate::common;
 use troupe::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
 use troupe::model::{Model, Preset};
 

@@ -4,7 +4,7 @@
 //! YAML parser sees it, a closed stdout ends a command quietly, non-finite weights are refused
 //! where they are read, and an external environment's process group goes with troupe.
 
-mod common;
+use crate::common;
 use common::{gone, stderr, succeeds, wait_gone};
 
 use std::io::Read;

@@ -3,7 +3,7 @@
 //! the memory it holds, the product's gradient `dx = dy W`, a LoRA step whose gradients match the
 //! f32 base's, and adapters trained on it that load on the dequantized base with the same outputs.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

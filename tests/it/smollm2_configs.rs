@@ -3,7 +3,7 @@
 //! evaluates with the tiny Llama GGUF fixture standing in for SmolLM2 (same family, a chat
 //! template in its metadata; no download).
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

@@ -1,6 +1,6 @@
 //! Bad model directories give one clear error naming the file, field or tensor.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -1,7 +1,7 @@
 //! The frozen base against Hugging Face transformers: every fixture model's log-probs, last
 //! position top-5 and greedy continuation must match `expected.json` (made by transformers 5.23).
 
-mod common;
+use crate::common;
 
 use common::*;
 use troupe::generate::{generate, last_logits, score_rows, GenerateOptions, SamplingConfig};

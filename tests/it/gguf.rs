@@ -4,7 +4,7 @@
 //! configuration and chat template against transformers' GGUF loader. Bad files give one clear
 //! error each.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -3,7 +3,7 @@
 //! rollouts of the model; and a process that crashes, hangs, prints garbage or answers out of
 //! turn fails with an error naming it and the offending message, within its time limit.
 
-mod common;
+use crate::common;
 use common::{gone, wait_gone};
 
 use std::time::{Duration, Instant};

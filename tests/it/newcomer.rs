@@ -3,7 +3,7 @@
 //! resume that cannot go backwards, a changed learning-rate schedule said out loud, `--set`
 //! blamed for its own mistakes, plain-text logs, and `eval` of baselines without adapters.
 
-mod common;
+use crate::common;
 use common::{stderr, succeeds};
 
 use std::path::{Path, PathBuf};

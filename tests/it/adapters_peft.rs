@@ -2,7 +2,7 @@
 //! transformers + PEFT's log-probs, alone and mixed in one batch; saving them again gives the
 //! same tensors; bad adapter directories are refused by name, leaving nothing half-written.
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 

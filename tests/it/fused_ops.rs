@@ -286,7 +286,7 @@ fn attention_matches_burns_masked_attention() {
     use burn::tensor::ops::AttentionModuleOptions;
     use burn::tensor::Bool;
     use std::sync::Arc;
-    use troupe::model::fused::{attention, HostMask};
+    use troupe::model::fused::{attention, grouped_attention, HostMask};
 
     let device = Device::flex().autodiff();
     let mut rng = ChaCha8Rng::seed_from_u64(6);
@@ -316,11 +316,15 @@ fn attention_matches_burns_masked_attention() {
         let out_grad = four(&mut rng, [batch, heads, seq, dim]);
         let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden.clone(), [batch, 1, seq, keys]), &device);
         let host = Arc::new(HostMask::new(hidden, [batch, seq, keys]));
-        let run = |fused: bool| {
+        // 0: the fused kernel; 1: burn's attention with the query heads folded (other backends);
+        // 2: burn's attention with the key/value heads repeated (the reference).
+        let run = |path: usize| {
             let leaf = |t: &Tensor<4>| Tensor::<4>::from_data(t.to_data(), &device).require_grad();
             let (q, k, v) = (leaf(&q), leaf(&k), leaf(&v));
-            let out = if fused {
+            let out = if path == 0 {
                 attention(q.clone(), k.clone(), v.clone(), &mask, &host)
+            } else if path == 1 {
+                grouped_attention(q.clone(), k.clone(), v.clone(), &mask)
             } else {
                 let group = heads / kv_heads;
                 let repeat = |t: Tensor<4>| {
@@ -337,11 +341,16 @@ fn attention_matches_burns_masked_attention() {
             let grad = |t: &Tensor<4>| flat(t.grad(&grads).expect("a gradient"));
             [flat(out), grad(&q), grad(&k), grad(&v)]
         };
-        let (fused, burn) = (run(true), run(false));
+        let (fused, folded, burn) = (run(0), run(1), run(2));
         for (what, (got, want)) in ["values", "dq", "dk", "dv"].iter().zip(fused.iter().zip(&burn)) {
             let worst = worst_relative_error(got, want);
             assert!(worst < 2e-5, "{what} ({batch} x {heads}/{kv_heads} x {seq} + {past}): {worst}");
             assert!(got.iter().all(|x| x.is_finite()), "{what}: finite");
+        }
+        // Folding the query heads reorders nothing but the rows: the same sums as repeating.
+        for (what, (got, want)) in ["values", "dq", "dk", "dv"].iter().zip(folded.iter().zip(&burn)) {
+            let worst = worst_relative_error(got, want);
+            assert!(worst < 1e-6, "folded {what} ({batch} x {heads}/{kv_heads} x {seq} + {past}): {worst}");
         }
         // The query that sees nothing gets zeros, as burn's masked softmax gives.
         if batch == 3 {

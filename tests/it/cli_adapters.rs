@@ -1,7 +1,7 @@
 //! `--adapter` on the model commands, `troupe adapters inspect` and `troupe adapters merge`,
 //! run as a user runs them.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 

@@ -1,7 +1,7 @@
 //! The commands on GGUF files, run as a user runs them: `model inspect`, `logprobs`,
 //! `generate --chat`, `adapters merge`, and a training config's `model.path: FILE.gguf`.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
