@@ -69,6 +69,18 @@ pub struct Generation {
 /// (doubling) when rows go on past them.
 const RESERVED_NEW_TOKENS: usize = 128;
 
+/// The KV-cache room of a generation is a multiple of this many slots, so that generations of
+/// prompts of nearby lengths decode with the same shapes (attention always reads the whole room,
+/// the unwritten slots masked) and a backend that compiles kernels per shape reuses them.
+pub const KV_ROOM_STEP: usize = 64;
+
+/// The KV-cache room reserved for a generation from prompts `prompt_width` slots wide (after
+/// left padding) that may add `max_new_tokens`: the prompts plus at most
+/// `RESERVED_NEW_TOKENS` (128) new tokens, rounded up to a multiple of [`KV_ROOM_STEP`].
+pub fn decode_room(prompt_width: usize, max_new_tokens: usize) -> usize {
+    (prompt_width + max_new_tokens.clamp(1, RESERVED_NEW_TOKENS)).next_multiple_of(KV_ROOM_STEP)
+}
+
 /// Pads rows on the left with `pad` to the longest row's length.
 /// Returns the padded rows and each slot's validity.
 fn left_pad(rows: &[Vec<u32>], pad: u32) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
@@ -215,9 +227,11 @@ pub fn generate_rows(
     let mut nodes = vec![TokenTrie::ROOT; batch];
     // Keys and values written in place: room for the prompts and the new tokens, reserved for
     // at most `RESERVED_NEW_TOKENS` of them up front (a long `max_new_tokens` whose replies stop
-    // early must not hold a cache for all of it) and grown by doubling past that.
-    let reserved = options.max_new_tokens.clamp(1, RESERVED_NEW_TOKENS);
-    let mut cache = KvCache::with_capacity(lm.config.num_hidden_layers, padded[0].len() + reserved);
+    // early must not hold a cache for all of it) and grown by doubling past that; rounded to
+    // `KV_ROOM_STEP` slots so that every decoding step of this call, and of calls with prompts of
+    // nearby lengths, has one shape.
+    let room = decode_room(padded[0].len(), options.max_new_tokens);
+    let mut cache = KvCache::with_capacity(lm.config.num_hidden_layers, room);
     let mut layout = SequenceLayout::new(batch);
     // Full token history (kept only for the uncached path) and the step's new slots.
     let (mut history, mut history_valid) =
@@ -598,6 +612,56 @@ mod tests {
             .map(|t| model.tokenizer.encode(t).unwrap())
             .collect();
         (model, prompts)
+    }
+
+    #[test]
+    fn prompts_of_nearby_lengths_decode_in_the_same_room() {
+        // Room for the prompts and the new tokens, a whole number of steps, the same for every
+        // prompt width of a step: decoding steps of all these calls have one shape.
+        for width in 1..=56 {
+            assert_eq!(decode_room(width, 8), KV_ROOM_STEP, "width {width}");
+        }
+        assert_eq!(decode_room(57, 8), 2 * KV_ROOM_STEP);
+        // At most 128 new tokens are reserved up front (the cache grows past them).
+        assert_eq!(decode_room(10, 4096), 192);
+        assert_eq!(decode_room(10, 0), KV_ROOM_STEP);
+        for (width, new) in [(1, 1), (63, 1), (64, 1), (100, 300), (500, 7)] {
+            let room = decode_room(width, new);
+            assert!(room >= width + new.clamp(1, 128) && room.is_multiple_of(KV_ROOM_STEP), "{width} + {new}: {room}");
+            assert!(room < width + new.clamp(1, 128) + KV_ROOM_STEP, "{width} + {new}: {room}");
+        }
+    }
+
+    #[test]
+    fn generation_in_a_rounded_room_gives_what_the_exact_room_gives() {
+        // The same decoding with the cache's room exactly the prompts plus the new tokens (as
+        // before rounding) and rounded up: the unwritten slots are masked, so the same tokens
+        // and log-probs, bit for bit on the CPU.
+        let (model, prompts) = tiny();
+        let lm = &model.lm;
+        let (padded, valid) = left_pad(&prompts, 0);
+        let new_tokens = 5;
+        let decode = |room: usize| -> Vec<Vec<f32>> {
+            let mut cache = KvCache::with_capacity(lm.config.num_hidden_layers, room);
+            let mut layout = SequenceLayout::new(prompts.len());
+            let (mut tokens, mut valid) = (padded.clone(), valid.clone());
+            let mut out = Vec::new();
+            for _ in 0..new_tokens {
+                let attention = layout.step_within(&valid, cache.keys_after(valid[0].len()), &Device::flex());
+                let rows = last_logits_rows(
+                    lm,
+                    &tokens,
+                    ForwardArgs { layout: &attention, cache: Some(&mut cache), delta: None },
+                )
+                .unwrap();
+                tokens = rows.iter().map(|r| vec![sampler::argmax(r) as u32]).collect();
+                valid = vec![vec![true]; prompts.len()];
+                out.extend(rows);
+            }
+            out
+        };
+        let exact = padded[0].len() + new_tokens;
+        assert_eq!(decode(exact), decode(decode_room(padded[0].len(), new_tokens)));
     }
 
     /// Token sequences sharing prefixes, with one sequence a prefix of another.
