@@ -14,7 +14,14 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
 - a whole iteration (`--preset`, default qwen3-0.6b): `troupe train` on `writing_tldr` with the
   length reward, 2 agents x `--groups` x `--group-size` replies of `--new-tokens` tokens, and
   TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
-  seconds per iteration / step after the first.
+  seconds per iteration / step after the first, and each side's peak memory;
+- the update's FLOP rate (troupe's `gflop_per_second_update`, per iteration) as a fraction of the
+  device's dense GEMM rate in the same dtype, measured by the peer's Python (torch.matmul);
+- memory (`--memory-preset`, default qwen3-4b): two agents with LoRA r16 on q,k,v,o train
+  `--memory-iterations` iterations of the same shape, with and without
+  `runtime.gradient_checkpointing`; peak device memory (the goal is at most 24 GB).
+Peak memory is the device's memory in use, sampled every 0.2 s by nvidia-smi, on cuda (nothing
+else should run on the GPU meanwhile), and the process's peak resident set on the CPU.
 Every part runs in `--dtype` (bf16 on cuda, f32 on the CPU by default): troupe's benchmarks with
 `TROUPE_DTYPE`, `troupe train` with `--set model.dtype=`, and the peers with their `--dtype`
 (PyTorch with SDPA and PEFT, TRL with its bf16 mixed precision; `peer_bench.py`,
@@ -48,6 +55,61 @@ def run(cmd, env=None, log=None):
     if done.returncode != 0:
         sys.exit(f"error: `{' '.join(cmd)}` exited with {done.returncode}")
     return done.stdout
+
+
+def run_peak(cmd, device, log=None):
+    """Runs `cmd` like `run`; returns (stdout, peak memory in MiB): the GPU's memory in use sampled
+    every 0.2 s on cuda, the process's peak resident set on the CPU."""
+    import threading
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log if log else None, text=True)
+    peak, stdout = [0.0], []
+    stop = threading.Event()
+
+    def sample():
+        index = device.split(":", 1)[1] if ":" in device else "0"
+        while not stop.wait(0.2):
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                  "-i", index], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            if smi.returncode == 0 and smi.stdout.strip():
+                peak[0] = max(peak[0], float(smi.stdout.strip().splitlines()[0]))
+
+    sampler = threading.Thread(target=sample, daemon=True) if device.startswith("cuda") else None
+    if sampler:
+        sampler.start()
+    reader = threading.Thread(target=lambda: stdout.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    _pid, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    reader.join()
+    stop.set()
+    if sampler:
+        sampler.join()
+    else:
+        peak[0] = usage.ru_maxrss / 1024  # KiB on Linux
+    if proc.returncode != 0:
+        sys.exit(f"error: `{' '.join(cmd)}` exited with {proc.returncode}")
+    return stdout[0], peak[0]
+
+
+def gemm_tflops(args):
+    """The device's dense GEMM rate in `args.dtype`, TFLOP/s: torch.matmul of square matrices,
+    the best of several runs (the reference for the update's FLOP fraction)."""
+    n = 512 if args.quick else 8192
+    code = f"""
+import json, time, torch
+torch.set_num_threads({args.threads})
+dev = torch.device({args.device!r})
+dt = {{'bf16': torch.bfloat16, 'f32': torch.float32}}[{args.dtype!r}]
+a = torch.randn({n}, {n}, device=dev, dtype=dt); b = torch.randn({n}, {n}, device=dev, dtype=dt)
+sync = torch.cuda.synchronize if dev.type == 'cuda' else (lambda: None)
+for _ in range(3): a @ b
+sync(); best = float('inf')
+for _ in range(10):
+    t = time.perf_counter(); a @ b; sync(); best = min(best, time.perf_counter() - t)
+print(json.dumps({{'n': {n}, 'tflops': 2 * {n}**3 / best / 1e12}}))
+"""
+    return last_json(run([args.python, "-c", code]), "the GEMM rate")
 
 
 def last_json(text, what):
@@ -99,22 +161,23 @@ def troupe_kernels(args, criterion_dir):
     return out
 
 
-def troupe_iteration(args, model_dir, work, rep):
+def troupe_iteration(args, model_dir, work, rep, extra=None):
     out_dir = os.path.join(work, f"run{rep}")
     reward = f"[{{name: external, command: [{args.reward_python}, python/examples/length_reward.py], weight: 1.0}}]"
     sets = {"model.path": model_dir, "model.device": args.device, "model.dtype": args.dtype, "run.out_dir": out_dir,
             "run.iterations": args.iterations, "run.checkpoint_every": 1000,
             "training.groups_per_iteration": args.groups, "training.group_size": args.group_size,
-            "action.max_new_tokens": args.new_tokens, "rewards.functions": reward}
+            "action.max_new_tokens": args.new_tokens, "rewards.functions": reward, **(extra or {})}
     cmd = [args.troupe, "train", "--config", "configs/writing_tldr.yaml"]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
-    run(cmd, log=subprocess.DEVNULL)
+    _, peak_mib = run_peak(cmd, args.device, log=subprocess.DEVNULL)
     lines = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
     seconds = [l["seconds"] for l in lines]
     steady = seconds[1:] or seconds
     return {"iteration_s": seconds, "s_per_iteration": sum(steady) / len(steady),
-            "replies": AGENTS * args.groups * args.group_size}
+            "replies": AGENTS * args.groups * args.group_size, "peak_memory_mib": peak_mib,
+            "update_gflop_per_s": [l.get("extra", {}).get("gflop_per_second_update") for l in lines]}
 
 
 def trl_iteration(args, model_dir):
@@ -124,7 +187,8 @@ def trl_iteration(args, model_dir):
            "--steps", str(args.iterations), "--threads", str(args.threads), "--prompts",
            str(AGENTS * args.groups), "--gens", str(args.group_size), "--new", str(args.new_tokens),
            "--device", args.device, "--dtype", args.dtype]
-    return last_json(run(cmd, log=subprocess.DEVNULL), "trl_grpo_peer.py")
+    out, peak_mib = run_peak(cmd, args.device, log=subprocess.DEVNULL)
+    return {**last_json(out, "trl_grpo_peer.py"), "peak_memory_mib": peak_mib}
 
 
 def ratios(ours, peer, higher_is_better):
@@ -152,12 +216,15 @@ def main():
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="the peers' CPU threads")
+    p.add_argument("--memory-preset", default="qwen3-4b", help="the model of the memory run")
+    p.add_argument("--memory-iterations", type=int, default=2)
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--quick", action="store_true", help="smallest settings: checks the script, measures nothing")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     if args.quick:
-        args.preset, args.reps, args.iterations = "tiny", 1, 2
+        args.preset, args.reps, args.iterations, args.memory_preset = "tiny", 1, 2, "tiny"
         args.groups, args.group_size, args.new_tokens = 1, 2, 8
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "f32"
@@ -166,7 +233,8 @@ def main():
     result = {"machine": machine(args.device, args.python), "device": args.device, "dtype": args.dtype,
               "quick": args.quick,
               "settings": {k: getattr(args, k) for k in ("preset", "reps", "iterations", "groups",
-                                                          "group_size", "new_tokens", "threads")}}
+                                                          "group_size", "new_tokens", "threads",
+                                                          "memory_preset", "memory_iterations")}}
     with tempfile.TemporaryDirectory(prefix="troupe-figures-") as work:
         if not args.skip_kernels:
             small = os.path.join(work, "small")
@@ -192,7 +260,27 @@ def main():
             iteration["troupe"].append(ours)
             iteration["trl"].append(peer)
             iteration["trl_s_per_step_over_troupe_s_per_iteration"].append(peer["s_per_step"] / ours["s_per_iteration"])
+        gemm = gemm_tflops(args)
+        result["gemm"] = gemm
+        iteration["update_flop_fraction_of_gemm"] = [
+            [rate / (gemm["tflops"] * 1e3) if rate else None for rate in ours["update_gflop_per_s"]]
+            for ours in iteration["troupe"]]
         result[f"iteration_{args.preset}"] = iteration
+        if not args.skip_memory:
+            # Two agents, LoRA r16 on q,k,v,o: the memory goal's set-up, the iteration's shape.
+            memory_dir = os.path.join(work, args.memory_preset)
+            if memory_dir != model_dir:
+                run([args.troupe, "init-model", "--out", memory_dir, "--preset", args.memory_preset],
+                    log=subprocess.DEVNULL)
+            lora = {"adapter.r": 16, "adapter.lora_alpha": 32.0,
+                    "adapter.target_modules": "[q_proj, k_proj, v_proj, o_proj]",
+                    "run.iterations": args.memory_iterations}
+            memory = {}
+            for checkpointing in (False, True):
+                ours = troupe_iteration(args, memory_dir, work, f"memory-{checkpointing}",
+                                        {**lora, "runtime.gradient_checkpointing": str(checkpointing).lower()})
+                memory["gradient_checkpointing" if checkpointing else "plain"] = ours
+            result[f"memory_{args.memory_preset}"] = memory
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
