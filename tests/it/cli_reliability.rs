@@ -121,27 +121,11 @@ fn out_directories_are_never_replaced_unless_asked() {
     assert_eq!(std::fs::read_to_string(&games).expect("kept"), "old games\n");
 }
 
-/// A tiny Hanabi config writing its run to `run_dir`.
-fn write_config(dir: &Path, run_dir: &Path, iterations: usize) -> PathBuf {
-    let path = dir.join(format!("tiny-{iterations}.yaml"));
-    let text = format!(
-        "run: {{out_dir: {}, seed: 3, iterations: {iterations}, checkpoint_every: 1}}\n\
-         env: {{name: hanabi, players: 2, history_moves: 1}}\n\
-         adapter: {{r: 4, lora_alpha: 8.0}}\n\
-         action: {{mode: free, max_new_tokens: 4, chat_template: false}}\n\
-         training: {{group_size: 2, groups_per_iteration: 1, lr: 1.0e-2, max_episode_steps: 3}}\n\
-         eval: {{episodes: 2, seed: 5000}}\n",
-        run_dir.display()
-    );
-    std::fs::write(&path, text).expect("write config");
-    path
-}
-
 #[test]
 fn impossible_sizes_and_values_are_refused_before_the_run_directory_exists() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let run = tmp.path().join("run");
-    let config = write_config(tmp.path(), &run, 1);
+    let config = common::tiny_hanabi_config(tmp.path(), &run, 1, false);
     for (set, words) in [
         ("adapter.r=100000000", ["adapter.r", "too large"]),
         ("adapter.r=1000", ["adapter.r", "hidden size"]),
@@ -180,7 +164,7 @@ fn input_is_bounded_before_the_model_or_the_parser_sees_it() {
     let line = error_line(&troupe(&["train", "--config", s(&deep)]));
     assert!(line.contains("deep.yaml") && line.contains("nested more than 64 levels"), "{line}");
     let deep_set = format!("env.params={}1{}", "[".repeat(50_000), "]".repeat(50_000));
-    let config = write_config(tmp.path(), &tmp.path().join("run"), 1);
+    let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 1, false);
     let line = error_line(&troupe(&["train", "--config", s(&config), "--set", &deep_set]));
     assert!(line.contains("--set: env.params: the value is nested more than 64 levels"), "{line}");
 }
@@ -262,7 +246,7 @@ fn non_finite_or_mistyped_adapters_are_refused_where_they_are_read() {
 fn a_checkpoint_with_non_finite_weights_is_set_aside_and_the_one_before_resumes() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let run = tmp.path().join("run");
-    let config = write_config(tmp.path(), &run, 2);
+    let config = common::tiny_hanabi_config(tmp.path(), &run, 2, false);
     succeeds(&troupe(&["train", "--config", s(&config), "--quiet"]));
     let newest = run.join("checkpoints/iteration-000002");
     let adapter = std::fs::read_dir(newest.join("adapters"))

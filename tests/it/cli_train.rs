@@ -2,7 +2,8 @@
 //! file, its run directory, resuming after a real kill, eval JSON with a baseline seat, and bad
 //! input giving one clear line and a non-zero exit.
 
-use std::path::Path;
+use crate::common;
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,28 +24,11 @@ fn error_line(out: &std::process::Output) -> String {
     lines[0].to_string()
 }
 
-/// A tiny Hanabi config file in `dir`, writing its run to `dir/run`.
-fn write_config(dir: &Path, iterations: usize) -> std::path::PathBuf {
-    let path = dir.join("tiny.yaml");
-    let text = format!(
-        "run: {{out_dir: {}, seed: 3, iterations: {iterations}, checkpoint_every: 1}}\n\
-         env: {{name: hanabi, players: 2, history_moves: 1}}\n\
-         adapter: {{r: 4, lora_alpha: 8.0}}\n\
-         action: {{mode: free, max_new_tokens: 4, chat_template: false}}\n\
-         training: {{group_size: 2, groups_per_iteration: 1, lr: 1.0e-2, max_episode_steps: 3,\n\
-                     format_warmup_steps: 2, format_warmup_batch: 2}}\n\
-         eval: {{episodes: 2, seed: 5000}}\n",
-        dir.join("run").display()
-    );
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
 #[test]
 fn a_run_of_no_iterations_writes_the_fresh_adapters_and_succeeds() {
     // `run.iterations: 0` is how a user gets `iteration-000000` to evaluate the base model.
     let tmp = tempfile::tempdir().unwrap();
-    let config = write_config(tmp.path(), 0);
+    let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 0, true);
     let summary = json_stdout(&troupe(&["train", "--config", config.to_str().unwrap(), "--quiet"]));
     assert_eq!(summary["iterations"], 0);
     assert_eq!(summary["plots"], serde_json::json!([]));
@@ -54,7 +38,7 @@ fn a_run_of_no_iterations_writes_the_fresh_adapters_and_succeeds() {
 #[test]
 fn train_writes_a_run_directory_and_eval_reads_it() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = write_config(tmp.path(), 2);
+    let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 2, true);
     let config_s = config.to_str().unwrap();
     let summary = json_stdout(&troupe(&["train", "--config", config_s, "--quiet"]));
     assert_eq!(summary["iterations"], 2);
@@ -120,7 +104,7 @@ fn train_writes_a_run_directory_and_eval_reads_it() {
 #[test]
 fn a_killed_run_resumes_from_its_last_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = write_config(tmp.path(), 6);
+    let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 6, true);
     let run = tmp.path().join("run");
     let mut child = Command::new(env!("CARGO_BIN_EXE_troupe"))
         .args(["train", "--config", config.to_str().unwrap(), "--quiet"])

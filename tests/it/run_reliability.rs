@@ -8,7 +8,7 @@
 use crate::common;
 use common::{stderr, succeeds};
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -25,23 +25,6 @@ fn error_line(out: &Output) -> String {
     lines[0].to_string()
 }
 
-/// A tiny Hanabi config writing its run to `run_dir`.
-fn write_config(dir: &Path, run_dir: &Path, iterations: usize) -> PathBuf {
-    let path = dir.join(format!("tiny-{iterations}.yaml"));
-    let text = format!(
-        "run: {{out_dir: {}, seed: 3, iterations: {iterations}, checkpoint_every: 1}}\n\
-         env: {{name: hanabi, players: 2, history_moves: 1}}\n\
-         adapter: {{r: 4, lora_alpha: 8.0}}\n\
-         action: {{mode: free, max_new_tokens: 4, chat_template: false}}\n\
-         training: {{group_size: 2, groups_per_iteration: 1, lr: 1.0e-2, max_episode_steps: 3,\n\
-                     format_warmup_steps: 2, format_warmup_batch: 2}}\n\
-         eval: {{episodes: 2, seed: 5000}}\n",
-        run_dir.display()
-    );
-    std::fs::write(&path, text).expect("write config");
-    path
-}
-
 fn metric_iterations(run: &Path) -> Vec<u64> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
         .expect("metrics")
@@ -54,7 +37,7 @@ fn metric_iterations(run: &Path) -> Vec<u64> {
 fn one_trainer_per_run_directory_and_a_dead_holder_is_no_obstacle() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let run = tmp.path().join("run");
-    let config = write_config(tmp.path(), &run, 1000);
+    let config = common::tiny_hanabi_config(tmp.path(), &run, 1000, true);
     let config_s = config.to_str().expect("utf-8");
     let mut first = Command::new(env!("CARGO_BIN_EXE_troupe"))
         .args(["train", "--config", config_s, "--quiet"])
@@ -90,7 +73,7 @@ fn one_trainer_per_run_directory_and_a_dead_holder_is_no_obstacle() {
 fn a_run_cut_off_in_its_first_checkpoint_resumes_with_one_command() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let run = tmp.path().join("run");
-    let config = write_config(tmp.path(), &run, 1);
+    let config = common::tiny_hanabi_config(tmp.path(), &run, 1, true);
     succeeds(&troupe(&["train", "--config", config.to_str().expect("utf-8"), "--quiet"]));
     // As a kill (or a full disk) during the first checkpoint leaves it: config.yaml, no
     // complete checkpoint, a partial staging directory.
@@ -136,7 +119,7 @@ fn a_run_cut_off_in_its_first_checkpoint_resumes_with_one_command() {
 fn values_that_cannot_fit_are_refused_before_the_run_directory_exists() {
     let tmp = tempfile::tempdir().expect("temp dir");
     let run = tmp.path().join("run");
-    let config = write_config(tmp.path(), &run, 1);
+    let config = common::tiny_hanabi_config(tmp.path(), &run, 1, true);
     let config_s = config.to_str().expect("utf-8");
     // The built-in model's context is 4096 tokens.
     for (set, words) in [
@@ -201,7 +184,7 @@ fn empty_cut_off_and_foreign_inputs_are_refused() {
     let foreign = tmp.path().join("mine");
     std::fs::create_dir(&foreign).expect("dir");
     std::fs::write(foreign.join("notes.txt"), "keep me").expect("write");
-    let config = write_config(tmp.path(), &foreign, 1);
+    let config = common::tiny_hanabi_config(tmp.path(), &foreign, 1, true);
     let line = error_line(&troupe(&["train", "--config", config.to_str().expect("utf-8")]));
     assert!(line.contains("not a run directory") && line.contains("notes.txt"), "{line}");
     let entries: Vec<_> = std::fs::read_dir(&foreign).expect("list").map(|e| e.expect("entry").file_name()).collect();
@@ -237,7 +220,7 @@ fn nan_weights_and_adapters_of_another_base_are_not_accepted_silently() {
     succeeds(&troupe(&["init-model", "--out", model.to_str().expect("utf-8"), "--seed", "7"]));
     // Adapters trained (initialised) on the built-in model (seed 0) record its fingerprint.
     let run = tmp.path().join("run");
-    let config = write_config(tmp.path(), &run, 0);
+    let config = common::tiny_hanabi_config(tmp.path(), &run, 0, true);
     let _ = troupe(&["train", "--config", config.to_str().expect("utf-8"), "--quiet"]);
     let adapters = run.join("checkpoints/iteration-000000/adapters");
     let manifest: serde_json::Value =

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// `fixtures/models` in this repository (see `fixtures/README.md`), or `$TROUPE_FIXTURES/models`
 /// to test against another copy (e.g. one just written by `fixtures/regenerate/models.py`).
@@ -236,4 +236,23 @@ pub fn wait_gone(pid: u32) -> bool {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     false
+}
+
+/// A tiny Hanabi config on the built-in model, written to `dir/tiny-{iterations}.yaml`, its run
+/// in `run_dir`: free-text moves of at most 4 tokens, one group of 2 games of at most 3 moves, a
+/// checkpoint every iteration, 2 held-out games; `format_warmup` adds 2 supervised warm-up steps.
+pub fn tiny_hanabi_config(dir: &Path, run_dir: &Path, iterations: usize, format_warmup: bool) -> PathBuf {
+    let path = dir.join(format!("tiny-{iterations}.yaml"));
+    let warmup = if format_warmup { ", format_warmup_steps: 2, format_warmup_batch: 2" } else { "" };
+    let text = format!(
+        "run: {{out_dir: {}, seed: 3, iterations: {iterations}, checkpoint_every: 1}}\n\
+         env: {{name: hanabi, players: 2, history_moves: 1}}\n\
+         adapter: {{r: 4, lora_alpha: 8.0}}\n\
+         action: {{mode: free, max_new_tokens: 4, chat_template: false}}\n\
+         training: {{group_size: 2, groups_per_iteration: 1, lr: 1.0e-2, max_episode_steps: 3{warmup}}}\n\
+         eval: {{episodes: 2, seed: 5000}}\n",
+        run_dir.display()
+    );
+    std::fs::write(&path, text).expect("write config");
+    path
 }
