@@ -3,8 +3,8 @@
 //! cast to bfloat16 (`expected_bf16.json`, bf16 math throughout), with the PEFT fixture adapters;
 //! and adapters trained on a bf16 base, saved in PEFT's f32 layout, reloaded on an f32 base.
 //!
-//! Tolerances (measured on the three fixture models, CPU, `cargo test --test mixed_precision --
-//! --nocapture`; `docs/gpu.md`, "Mixed precision"), each about twice the measured worst case over
+//! Tolerances (measured on the three fixture models, CPU, `cargo test --test it mixed_precision::
+//! -- --nocapture`; `docs/gpu.md`, "Mixed precision"), each about twice the measured worst case over
 //! every log-prob of the base and both adapters: troupe in bf16 against transformers in f32
 //! [`BF16_VS_F32`] (measured 8.4e-2); against transformers with the model cast to bf16
 //! [`BF16_VS_TRANSFORMERS_BF16`] (measured 1.5e-1: transformers' bf16 also rounds the residual
