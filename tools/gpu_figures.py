@@ -49,20 +49,17 @@ AGENTS = 2
 
 def run(cmd, env=None, log=None):
     """Runs `cmd` from the repository root; its stdout, or an error naming the command."""
-    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
-                          stderr=log if log else None, text=True)
-    if done.returncode != 0:
-        sys.exit(f"error: `{' '.join(cmd)}` exited with {done.returncode}")
-    return done.stdout
+    return run_peak(cmd, "cpu", env, log)[0]
 
 
-def run_peak(cmd, device, log=None):
-    """Runs `cmd` like `run`; returns (stdout, peak memory in MiB): the GPU's memory in use sampled
-    every 0.2 s on cuda, the process's peak resident set on the CPU."""
+def run_peak(cmd, device, env=None, log=None):
+    """Runs `cmd` from the repository root; returns (stdout, peak memory in MiB): the GPU's memory
+    in use sampled every 0.2 s on cuda, the process's peak resident set on the CPU; or an error
+    naming the command."""
     import threading
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log if log else None, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=log if log else None, text=True)
     peak, stdout = [0.0], []
     stop = threading.Event()
 

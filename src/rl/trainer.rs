@@ -21,6 +21,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use troupe_envs::Registry;
 
+use super::config::sections::seating_of_group;
 use super::config::TrainConfig;
 use super::credit::{Credit, Credited};
 use super::flops::FlopModel;
@@ -305,8 +306,10 @@ impl MagrpoTrainer {
         };
         let mut records: Vec<Option<EpisodeRecord>> = (0..range.len()).map(|_| None).collect();
         for (seating, seated) in partners.iter().enumerate() {
-            let episodes: Vec<usize> =
-                range.clone().filter(|&e| (e / plan.group_size) % partners.len() == seating).collect();
+            let episodes: Vec<usize> = range
+                .clone()
+                .filter(|&e| seating_of_group(partners.len(), e / plan.group_size) == Some(seating))
+                .collect();
             if episodes.is_empty() {
                 continue;
             }

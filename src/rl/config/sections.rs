@@ -100,6 +100,13 @@ config_section! {
     }
 }
 
+/// The seating group `group` of an iteration plays, out of `seatings` (`training.partners`):
+/// entry `group % seatings`, or `None` when there are none (self-play). The rollout seats the
+/// partners by it and the credit phase leaves their seats out by it.
+pub fn seating_of_group(seatings: usize, group: usize) -> Option<usize> {
+    (seatings > 0).then(|| group % seatings)
+}
+
 impl TrainingConfig {
     /// How returns become advantages (the credit phase's settings).
     pub fn advantage_settings(&self) -> AdvantageSettings {

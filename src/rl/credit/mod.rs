@@ -111,7 +111,7 @@ impl CreditStats {
 
 /// The seats of group `g` played by fixed partners (`None` without partners).
 fn partner_seats(partners: &[BTreeSet<usize>], g: usize) -> Option<&BTreeSet<usize>> {
-    (!partners.is_empty()).then(|| &partners[g % partners.len()])
+    crate::rl::config::sections::seating_of_group(partners.len(), g).map(|seating| &partners[seating])
 }
 
 impl Credit {
