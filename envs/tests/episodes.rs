@@ -3,10 +3,11 @@
 
 use serde_json::json;
 use troupe_envs::hanabi::rule_player::HanabiRulePolicy;
+use troupe_envs::hanabi::{Card, HanabiEnv, Move};
 use troupe_envs::policy::RandomPolicy;
 use troupe_envs::records::{record_episodes, replay_line};
 use troupe_envs::runner::{bench, play_interactive, run_episode};
-use troupe_envs::{Environment, Registry};
+use troupe_envs::{Action, Environment, Registry};
 
 #[test]
 fn same_seed_same_episode() {
@@ -158,4 +159,98 @@ fn hanabi_life_loss_penalty_shapes_rewards_but_not_the_score() {
         .unwrap()
         .to_string();
     assert!(err.contains("life_loss_penalty"), "{err}");
+}
+
+/// Two-player Hanabi (`params` over the defaults) dealt from `front` then the rest of the deck in
+/// index order: player 0 holds the first `hand_size` cards of `front`, player 1 the next ones.
+fn hanabi_dealt(params: serde_json::Value, front: &[Card]) -> HanabiEnv {
+    let mut env = HanabiEnv::from_params(&params).expect("valid params");
+    let config = env.config().clone();
+    let mut rest = Vec::new();
+    for color in 0..config.colors as u8 {
+        for rank in 0..config.ranks as u8 {
+            (0..config.copies(rank as usize)).for_each(|_| rest.push(Card::new(color, rank)));
+        }
+    }
+    for card in front {
+        let at = rest.iter().position(|c| c == card).expect("the card is in the deck");
+        rest.remove(at);
+    }
+    env.reset_with_deck(front.iter().copied().chain(rest).collect(), 0).expect("valid deck");
+    env
+}
+
+#[test]
+fn hanabi_hint_reward_pays_for_news_about_playable_cards_only() {
+    let (r, y) = (|rank| Card::new(0, rank), |rank| Card::new(1, rank));
+    // Player 0: R2 R2 R3 R3 R4 (nothing playable); player 1: R1 R1 Y1 R4 Y5.
+    let front = [r(1), r(1), r(2), r(2), r(3), r(0), r(0), y(0), r(3), y(4)];
+    let mut plain = hanabi_dealt(json!({"players": 2}), &front);
+    let mut shaped = hanabi_dealt(json!({"players": 2, "hint_reward": 0.5}), &front);
+    let hint_rank = |rank| Move::RevealRank { offset: 1, rank };
+    let hint_color = |color| Move::RevealColor { offset: 1, color };
+    for (mv, paid) in [
+        (hint_rank(0), true),   // P0 -> P1 "1": R1 R1 Y1, playable, new
+        (hint_rank(3), false),  // P1 -> P0 "4": R4 is not playable
+        (hint_rank(0), false),  // P0 -> P1 "1" again: nothing new
+        (hint_color(0), false), // P1 -> P0 red: all red, none playable
+        (hint_color(1), true),  // P0 -> P1 yellow: Y1 playable, its color new (Y5 touched too)
+        (hint_color(0), false), // P1 -> P0 red again
+        (hint_color(0), true),  // P0 -> P1 red: the R1s' color is new
+    ] {
+        let id = Action::Id(mv.uid(plain.config()));
+        let (a, b) = (plain.step(std::slice::from_ref(&id)).unwrap(), shaped.step(&[id]).unwrap());
+        let bonus = if paid { 0.5 } else { 0.0 };
+        assert_eq!(b, a.iter().map(|x| x + bonus).collect::<Vec<_>>(), "{mv:?}");
+    }
+    assert_eq!(plain.metrics(), shaped.metrics(), "metrics, score included, are the game's");
+    assert_eq!(shaped.returns(), vec![1.5, 1.5]);
+
+    // One colour: a colour hint tells nothing, a rank hint on the playable 1 does.
+    let mut one = hanabi_dealt(json!({"variant": "very_small", "hint_reward": 0.5}), &[r(1), r(2), r(0), r(3)]);
+    let step = |env: &mut HanabiEnv, mv: Move| env.step(&[Action::Id(mv.uid(env.config()))]).unwrap()[0];
+    assert_eq!(step(&mut one, hint_color(0)), 0.0, "P0 -> P1 red");
+    assert_eq!(step(&mut one, hint_rank(1)), 0.0, "P1 -> P0 \"2\": not playable");
+    assert_eq!(step(&mut one, hint_rank(0)), 0.5, "P0 -> P1 \"1\"");
+
+    let err = Registry::with_builtins()
+        .make_from_spec(&json!({"name": "hanabi", "hint_reward": -0.5}))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("hint_reward") && err.contains("-0.5"), "{err}");
+}
+
+#[test]
+fn hanabi_playable_notes_mark_known_safe_plays_and_playable_hinted_cards() {
+    let r = |rank| Card::new(0, rank);
+    let params = |notes: bool| json!({"variant": "very_small", "observation": "compact", "playable_notes": notes});
+    // Player 0: R2 R3; player 1: R1 R4.
+    let front = [r(1), r(2), r(0), r(3)];
+    let texts = |env: &HanabiEnv| -> Vec<String> {
+        let seat = env.acting_seats()[0];
+        env.legal_actions(seat).unwrap().into_iter().map(|a| a.text).collect()
+    };
+    let (mut plain, mut noted) = (hanabi_dealt(params(false), &front), hanabi_dealt(params(true), &front));
+    assert!(texts(&plain).contains(&"hint 1 [R1]".to_string()), "{:?}", texts(&plain));
+    assert!(texts(&noted).contains(&"hint 1 [R1 playable]".to_string()), "{:?}", texts(&noted));
+    assert!(texts(&noted).contains(&"hint 4 [R4]".to_string()), "an unplayable card has no note");
+    let hint_one = Action::Id(Move::RevealRank { offset: 1, rank: 0 }.uid(plain.config()));
+    plain.step(std::slice::from_ref(&hint_one)).unwrap();
+    noted.step(&[hint_one]).unwrap();
+    // Player 1 now knows its first card is a 1, and with one colour and no 1 played it is safe.
+    assert!(texts(&plain).contains(&"play 1 [?1]".to_string()), "{:?}", texts(&plain));
+    assert!(texts(&noted).contains(&"play 1 [?1 playable]".to_string()), "{:?}", texts(&noted));
+    assert!(texts(&noted).contains(&"play 2 [??(2345)]".to_string()), "{:?}", texts(&noted));
+    assert!(texts(&noted).iter().any(|t| t.starts_with("discard 1 [?1]")), "discards carry no note");
+    // The notes are ignored by the parser, and the observation text is the same.
+    assert_eq!(noted.parse_action(1, "play 1 [?1 playable]").unwrap(), plain.parse_action(1, "play 1").unwrap());
+    assert_eq!(noted.observation(1), plain.observation(1));
+
+    let err = Registry::with_builtins()
+        .make_from_spec(&json!({"name": "hanabi", "playable_notes": true}))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("playable_notes") && err.contains("compact"), "{err}");
 }

@@ -236,9 +236,28 @@ pub fn instructions(_state: &HanabiState, _seat: usize) -> String {
     "Hanabi.".to_string()
 }
 
+/// Whether every card `k` may still be (by its holder's hints) would be added to the fireworks
+/// now: what its holder can deduce is a safe play.
+pub fn known_playable(state: &HanabiState, k: &CardKnowledge) -> bool {
+    let config = state.config();
+    let mut any = false;
+    for color in (0..config.colors as u8).filter(|&c| k.color_plausible(c)) {
+        for rank in (0..config.ranks as u8).filter(|&r| k.rank_plausible(r)) {
+            if !state.playable(Card::new(color, rank)) {
+                return false;
+            }
+            any = true;
+        }
+    }
+    any
+}
+
 /// The text of `mv` for the player to move, with its note: `play 2 [?1]`, `discard 4 [R?]`,
 /// `hint red [R1 R3]`, `hint P2 3 [G3]` (the target named only with more than two players).
-pub fn action_text(state: &HanabiState, mv: Move) -> String {
+/// With `playable_notes`, a play the actor knows to be safe reads `play 2 [?1 playable]` and a
+/// hinted card that is playable now `hint 1 [R1 playable]`: the deductions a person makes at a
+/// glance, written out for small models.
+pub fn action_text(state: &HanabiState, mv: Move, playable_notes: bool) -> String {
     let config = state.config();
     let (colors, ranks, players) = (config.colors, config.ranks, config.players);
     let mover = state.current_player();
@@ -246,7 +265,11 @@ pub fn action_text(state: &HanabiState, mv: Move) -> String {
     match mv {
         Move::Play { index } | Move::Discard { index } => {
             let verb = if matches!(mv, Move::Play { .. }) { "play" } else { "discard" };
-            let note = own.get(index).map(|h| knowledge(&h.knowledge, colors, ranks)).unwrap_or_default();
+            let mut note = own.get(index).map(|h| knowledge(&h.knowledge, colors, ranks)).unwrap_or_default();
+            let safe = own.get(index).is_some_and(|h| known_playable(state, &h.knowledge));
+            if playable_notes && safe && matches!(mv, Move::Play { .. }) {
+                note.push_str(" playable");
+            }
             format!("{verb} {} [{note}]", index + 1)
         }
         Move::RevealColor { offset, color: value } | Move::RevealRank { offset, rank: value } => {
@@ -255,7 +278,13 @@ pub fn action_text(state: &HanabiState, mv: Move) -> String {
             let touched: Vec<String> = state.hands()[target]
                 .iter()
                 .filter(|h| if is_color { h.card.color == value } else { h.card.rank == value })
-                .map(|h| h.card.to_string())
+                .map(|h| {
+                    if playable_notes && state.playable(h.card) {
+                        format!("{} playable", h.card)
+                    } else {
+                        h.card.to_string()
+                    }
+                })
                 .collect();
             let what = if is_color { COLOR_NAMES[value as usize].to_string() } else { (value + 1).to_string() };
             format!("hint {}{what} [{}]", target_prefix(target, players), touched.join(" "))

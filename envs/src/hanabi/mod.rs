@@ -41,8 +41,14 @@ pub struct HanabiEnv {
     /// Subtracted from every seat's step reward per life token lost (reward shaping; 0 keeps
     /// HLE's reward).
     life_loss_penalty: f64,
+    /// Added to every seat's step reward when a hint tells its receiver something new about a
+    /// card that is playable now (reward shaping; 0 keeps HLE's reward).
+    hint_reward: f64,
     /// The text form of observations and legal actions.
     style: ObservationStyle,
+    /// Compact style only: notes on the legal actions saying which plays are known safe and
+    /// which hinted cards are playable.
+    playable_notes: bool,
 }
 
 impl HanabiEnv {
@@ -54,24 +60,37 @@ impl HanabiEnv {
             state,
             config,
             life_loss_penalty: 0.0,
+            hint_reward: 0.0,
             style: ObservationStyle::Verbose,
+            playable_notes: false,
         }
     }
 
     /// Builds the environment from registry parameters (`{players: 3, variant: small, ...}`).
     pub fn from_params(params: &Value) -> Result<Self, EnvError> {
         let params: HanabiParams = parse_params("hanabi", params)?;
-        let penalty = params.life_loss_penalty.unwrap_or(0.0);
-        if !(penalty.is_finite() && penalty >= 0.0) {
-            return Err(EnvError::BadParam {
+        let shaping = |field: &str, value: Option<f64>| match value.unwrap_or(0.0) {
+            v if v.is_finite() && v >= 0.0 => Ok(v),
+            v => Err(EnvError::BadParam {
                 env: "hanabi".into(),
-                field: "life_loss_penalty".into(),
-                message: format!("must be a finite number >= 0, got {penalty}"),
-            });
-        }
+                field: field.into(),
+                message: format!("must be a finite number >= 0, got {v}"),
+            }),
+        };
+        let penalty = shaping("life_loss_penalty", params.life_loss_penalty)?;
+        let hint_reward = shaping("hint_reward", params.hint_reward)?;
         let mut env = Self::new(params.resolve()?);
         env.life_loss_penalty = penalty;
+        env.hint_reward = hint_reward;
         env.style = params.observation.unwrap_or_default();
+        env.playable_notes = params.playable_notes.unwrap_or(false);
+        if env.playable_notes && env.style != ObservationStyle::Compact {
+            return Err(EnvError::BadParam {
+                env: "hanabi".into(),
+                field: "playable_notes".into(),
+                message: "needs `observation: compact` (the notes are written on its legal actions)".into(),
+            });
+        }
         Ok(env)
     }
 
@@ -141,7 +160,7 @@ impl HanabiEnv {
     fn move_text(&self, mv: Move) -> String {
         match self.style {
             ObservationStyle::Verbose => mv.text(self.state.current_player(), self.config.players),
-            ObservationStyle::Compact => compact::action_text(&self.state, mv),
+            ObservationStyle::Compact => compact::action_text(&self.state, mv, self.playable_notes),
         }
     }
 
@@ -166,6 +185,24 @@ impl HanabiEnv {
     /// Deals the card owed by the last play or discard, if any; returns it.
     pub fn draw(&mut self) -> Option<Card> {
         self.state.draw()
+    }
+
+    /// Whether `mv` is a hint that tells its receiver something new (a color or rank that was
+    /// still open) about a card of theirs that is playable now: what `hint_reward` pays for.
+    fn tells_of_a_playable_card(&self, mv: Move) -> bool {
+        let offset = match mv {
+            Move::RevealColor { offset, .. } | Move::RevealRank { offset, .. } => offset,
+            Move::Play { .. } | Move::Discard { .. } => return false,
+        };
+        let tells = |held: &HandCard| match mv {
+            Move::RevealColor { color, .. } => {
+                held.card.color == color && held.knowledge.plausible_colors != 1 << color
+            }
+            Move::RevealRank { rank, .. } => held.card.rank == rank && held.knowledge.plausible_ranks != 1 << rank,
+            Move::Play { .. } | Move::Discard { .. } => false,
+        };
+        let target = (self.state.current_player() + offset) % self.config.players;
+        self.state.hands()[target].iter().any(|held| tells(held) && self.state.playable(held.card))
     }
 
     fn legal_texts(&self, seat: SeatId) -> Vec<String> {
@@ -259,13 +296,20 @@ impl Environment for HanabiEnv {
         };
         let mv = self.move_of(action)?;
         let lives = self.state.life_tokens();
+        let useful_hint = self.hint_reward > 0.0 && self.tells_of_a_playable_card(mv);
         let mut reward = self.apply(mv)? as f64;
         let lost = lives.saturating_sub(self.state.life_tokens());
-        if lost > 0 && self.life_loss_penalty > 0.0 {
-            let shaping = self.life_loss_penalty * f64::from(lost);
-            reward -= shaping;
+        let mut shaping = 0.0;
+        if lost > 0 {
+            shaping -= self.life_loss_penalty * f64::from(lost);
+        }
+        if useful_hint {
+            shaping += self.hint_reward;
+        }
+        if shaping != 0.0 {
+            reward += shaping;
             for r in &mut self.returns {
-                *r -= shaping;
+                *r += shaping;
             }
         }
         Ok(vec![reward; self.config.players])

@@ -52,10 +52,19 @@ pub struct HanabiParams {
     /// a life token (default 0, HLE's reward: the score change only). The `score` metric is
     /// unaffected.
     pub life_loss_penalty: Option<f64>,
+    /// Reward shaping for learners: added to every seat's step reward when a hint tells its
+    /// receiver something new (a color or rank not yet ruled in or out) about a card that is
+    /// playable now (default 0, HLE's reward). At most once per hint; the `score` metric is
+    /// unaffected.
+    pub hint_reward: Option<f64>,
     /// The text agents see: `verbose` (default; full sentences and the rules, for
     /// instruction-tuned LLMs) or `compact` (the same information in far fewer tokens, with
     /// each legal action annotated; for small models). See [`super::compact`].
     pub observation: Option<ObservationStyle>,
+    /// With the `compact` observation: notes on the legal actions that say which plays the actor
+    /// knows to be safe (`play 1 [?1 playable]`) and which hinted cards are playable now
+    /// (`hint 1 [R1 playable]`), deductions a person makes at a glance (default false).
+    pub playable_notes: Option<bool>,
 }
 
 /// How a Hanabi observation is written.
