@@ -532,7 +532,7 @@ pub(super) const OPTIONS: AttentionModuleOptions =
 
 /// Grouped-query attention through burn's attention, for backends whose attention wants as many
 /// key/value heads as query heads (CUDA's; burn's differentiable fallback), without repeating
-/// the key/value heads ([`fold_query_heads`]).
+/// the key/value heads (`fold_query_heads`).
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:

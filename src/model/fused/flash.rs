@@ -13,7 +13,7 @@
 //! head_dim]` with the keys and values on as many heads as the queries or one (each reader
 //! offsets by the query's head, and a size-1 head dimension is broadcast:
 //! `components/global/layout.rs`), so grouped-query heads are folded into the query rows first
-//! ([`super::attention::fold_query_heads`]); a mask of any numeric type, nonzero where a key
+//! (`fused::attention`'s `fold_query_heads`); a mask of any numeric type, nonzero where a key
 //! is hidden (burn's booleans; `multi_level/tile/variants/unit.rs` of cubek-matmul), its head
 //! dimension broadcast; scale `1 / sqrt(head_dim)`; a row that sees no key gets zeros
 //! (`variants/row_wise.rs`, `recip_inplace`), as the materialized kernel gives. A shape the
@@ -40,7 +40,7 @@ pub enum FlashRefusal {
 
 /// Masked grouped-query attention (scale `1 / sqrt(head_dim)`) by burn-cubecl's flash kernel,
 /// the query heads of each key/value head folded into its rows
-/// ([`super::attention::fold_query_heads`]); where the flash kernel cannot run, the materialized
+/// (`fused::attention`'s `fold_query_heads`); where the flash kernel cannot run, the materialized
 /// kernel ([`grouped_attention`]) and the reason.
 ///
 /// # Shapes
