@@ -4,7 +4,9 @@
 //! `peer_bench.py`'s `mixed32_K*` (PEFT's per-row `adapter_names`, inference only).
 //!
 //! `cargo bench --bench adapters` (`TROUPE_DEVICE=cuda` and `--features cuda` on a GPU;
-//! `TROUPE_DTYPE=f32|bf16|f16` sets the base's precision, default `auto`: bf16 on CUDA).
+//! `TROUPE_DTYPE=f32|bf16|f16` sets the base's precision, default `auto`: bf16 on CUDA;
+//! `TROUPE_ATTENTION=flash|materialized` the attention kernel of the forward-only passes on a
+//! GPU, default `auto`: the materialized one).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
@@ -37,7 +39,8 @@ fn bench_adapters(c: &mut Criterion) {
     troupe::device::tune_allocator();
     let device = troupe::device::default_device().expect("TROUPE_DEVICE");
     let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
-    let model = Model::load(&LoadOptions::builtin(Preset::Small, 0).dtype(precision), &device).unwrap();
+    let mut model = Model::load(&LoadOptions::builtin(Preset::Small, 0).dtype(precision), &device).unwrap();
+    model.lm.set_attention_kernel(troupe::device::default_attention_kernel().expect("TROUPE_ATTENTION"));
     let vocab = model.tokenizer.vocab_size();
     let mut rng = ChaCha8Rng::seed_from_u64(0);
     let rows: Vec<Vec<u32>> =

@@ -5,7 +5,9 @@
 //! `cargo bench --bench model` (criterion prints elements/s = tokens/s). On a GPU:
 //! `TROUPE_DEVICE=cuda cargo bench --features cuda --bench model` (each timed pass ends when the
 //! device has finished its work). `TROUPE_DTYPE=f32|bf16|f16` sets the base's precision (default
-//! `auto`: bf16 on CUDA, f32 on the CPU).
+//! `auto`: bf16 on CUDA, f32 on the CPU), `TROUPE_ATTENTION=flash|materialized` the attention
+//! kernel on a GPU (`runtime.attention`; default `auto`, the materialized one; the CPU runs its
+//! fused attention whatever it says).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
@@ -24,8 +26,10 @@ fn bench_model(c: &mut Criterion) {
     troupe::device::tune_allocator();
     let device = troupe::device::default_device().expect("TROUPE_DEVICE");
     let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
+    let kernel = troupe::device::default_attention_kernel().expect("TROUPE_ATTENTION");
     for preset in [Preset::Tiny, Preset::Small] {
-        let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
+        let mut model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
+        model.lm.set_attention_kernel(kernel);
         let name = format!("{preset:?}").to_lowercase();
         let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
         let mut rng = ChaCha8Rng::seed_from_u64(0);

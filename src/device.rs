@@ -95,6 +95,21 @@ pub fn default_precision() -> Result<crate::model::Precision> {
     }
 }
 
+/// The attention kernel on a GPU when none is named (benchmarks): `TROUPE_ATTENTION` (`auto`,
+/// `flash`, `materialized`; `runtime.attention` in a config) if set, else `auto`.
+pub fn default_attention_kernel() -> Result<crate::model::AttentionKernel> {
+    match std::env::var("TROUPE_ATTENTION") {
+        Ok(name) if !name.is_empty() => <crate::model::AttentionKernel as clap::ValueEnum>::from_str(&name, true)
+            .map_err(|_| {
+                TroupeError::invalid(
+                    "TROUPE_ATTENTION",
+                    format!("unknown attention kernel {name:?} (known: auto, flash, materialized)"),
+                )
+            }),
+        _ => Ok(crate::model::AttentionKernel::Auto),
+    }
+}
+
 /// Keeps tensor buffers in the process heap and the heap at its high-water mark, so the
 /// allocator reuses them across forward passes rather than page-faulting hundreds of MB of
 /// fresh, zeroed memory on every pass. glibc otherwise maps blocks over its mmap threshold

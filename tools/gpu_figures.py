@@ -10,7 +10,10 @@ and a Python that has the peers (`pip install -r tools/requirements-peers.txt`):
 Runs, in this order, each part `--reps` times alternating troupe and its peer:
 - kernels (the `small` preset): troupe's criterion benchmarks `model` (prefill / decode, batch 1
   and 16) and `adapters` (LoRA step, mixed-adapter forward), read by `criterion_fastest.py`, and
-  `peer_bench.py` on the same model directory;
+  `peer_bench.py` on the same model directory. `model` runs twice, with each attention kernel
+  (`TROUPE_ATTENTION`, `runtime.attention`): `materialized` (what `auto` runs today; its figures
+  are the ones compared with PyTorch) and `flash` (`attention_flash`, with the ratios
+  `attention_flash_over_materialized`, above 1 when flash is faster);
 - a whole iteration (`--preset`, default qwen3-0.6b): `troupe train` on `writing_tldr` with the
   length reward, 2 agents x `--groups` x `--group-size` replies of `--new-tokens` tokens, and
   TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
@@ -136,22 +139,40 @@ def machine(device, python):
     return info
 
 
-def troupe_kernels(args, criterion_dir):
-    """Runs troupe's kernel benchmarks; tokens/s (criterion's fastest sample, the estimator the
-    peer reports) and the mixed batch's K=8 / K=1 time."""
-    features = ["--features", "cuda"] if args.device.startswith("cuda") else []
-    quick = ["--warm-up-time", "1", "--measurement-time", "1"] if args.quick else []
-    env = {"TROUPE_DEVICE": args.device, "TROUPE_DTYPE": args.dtype, "CARGO_TARGET_DIR": args.target_dir}
-    run(["cargo", "bench", *features, "--bench", "model", "--", "small", *quick], env)
-    run(["cargo", "bench", *features, "--bench", "adapters", "--", "lora_train_step|mixed32x64_forward/one_pass",
-         *quick], env)
+def tokens_per_second(criterion_dir, names):
+    """Tokens/s of each benchmark in `names` (benchmark id -> key), from criterion's fastest sample
+    of its latest run."""
     out = {}
-    names = {"prefill_small/b1x128": "prefill_tok_s_b1", "prefill_small/b16x128": "prefill_tok_s_b16",
-             "decode_small/b1": "decode_tok_s_b1", "decode_small/b16": "decode_tok_s_b16",
-             "lora_train_step/b8x128": "lora_train_tok_s_b8x128"}
     for bench, key in names.items():
         fastest_ns, _mean = criterion_fastest.fastest_and_mean_ns(criterion_dir, bench)
         out[key] = criterion_fastest.TOKENS[bench] / fastest_ns * 1e9
+    return out
+
+
+def troupe_kernels(args, criterion_dir):
+    """Runs troupe's kernel benchmarks; tokens/s (criterion's fastest sample, the estimator the
+    peer reports) and the mixed batch's K=8 / K=1 time. The prefill / decode benchmarks run with
+    each attention kernel, materialized first: criterion keeps a benchmark's latest run only, so
+    each run is read before the next."""
+    features = ["--features", "cuda"] if args.device.startswith("cuda") else []
+    quick = ["--warm-up-time", "1", "--measurement-time", "1"] if args.quick else []
+    env = {"TROUPE_DEVICE": args.device, "TROUPE_DTYPE": args.dtype, "CARGO_TARGET_DIR": args.target_dir,
+           "TROUPE_ATTENTION": "materialized"}
+    model = {"prefill_small/b1x128": "prefill_tok_s_b1", "prefill_small/b16x128": "prefill_tok_s_b16",
+             "decode_small/b1": "decode_tok_s_b1", "decode_small/b16": "decode_tok_s_b16"}
+    out = {}
+    for kernel in ("materialized", "flash"):
+        run(["cargo", "bench", *features, "--bench", "model", "--", "small", *quick],
+            {**env, "TROUPE_ATTENTION": kernel})
+        figures = tokens_per_second(criterion_dir, model)
+        if kernel == "materialized":
+            out.update(figures)
+        else:
+            out["attention_flash"] = figures
+            out["attention_flash_over_materialized"] = {key: figures[key] / out[key] for key in figures}
+    run(["cargo", "bench", *features, "--bench", "adapters", "--", "lora_train_step|mixed32x64_forward/one_pass",
+         *quick], env)
+    out.update(tokens_per_second(criterion_dir, {"lora_train_step/b8x128": "lora_train_tok_s_b8x128"}))
     k1, k8 = (criterion_fastest.load(criterion_dir, f"mixed32x64_forward/one_pass/K{k}", "estimates.json")
               ["mean"]["point_estimate"] for k in (1, 8))
     out["mixed32_K8_rel"] = k8 / k1

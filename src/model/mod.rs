@@ -2,6 +2,7 @@
 //! Llama/Qwen2/Qwen3 transformer, the tokenizer with its chat template, and the built-in default
 //! model.
 
+pub mod attention_kernel;
 pub mod builtin;
 pub mod checkpoint;
 pub mod config;
@@ -22,6 +23,7 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::Device;
 
+pub use attention_kernel::AttentionKernel;
 pub use builtin::Preset;
 pub use config::{ModelConfig, ModelType};
 pub use layers::{Projection, ProjectionDelta};

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 
+use super::attention_kernel::AttentionKernel;
 use super::config::{ModelConfig, ModelType};
 use super::fused::{attention, swiglu_stacked, HostMask};
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
@@ -237,6 +238,8 @@ pub struct Attention {
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
+    /// The kernel of a forward without gradients off the CPU (`runtime.attention`).
+    kernel: AttentionKernel,
 }
 
 /// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
@@ -359,6 +362,7 @@ impl Attention {
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
+            kernel: AttentionKernel::default(),
         })
     }
 
@@ -425,7 +429,7 @@ impl Attention {
             Some(cache) => cache.append(layer, k, v),
             None => (k, v),
         };
-        let out = attention(q, k, v, &args.layout.mask, &args.layout.host_mask);
+        let out = attention(q, k, v, &args.layout.mask, &args.layout.host_mask, self.kernel);
         let out = out.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
         project(&self.o_proj, out, layer, Projection::O, args.delta)
     }
@@ -557,6 +561,19 @@ impl CausalLm {
         match &self.lm_head.weight {
             LinearWeight::Dense(weight) => weight.dtype(),
             LinearWeight::Quantized(_) => DType::F32,
+        }
+    }
+
+    /// The attention kernel of a forward without gradients off the CPU (`runtime.attention`;
+    /// `auto` at load). The CPU runs its fused attention whatever the choice.
+    pub fn attention_kernel(&self) -> AttentionKernel {
+        self.layers.first().map_or_else(AttentionKernel::default, |layer| layer.self_attn.kernel)
+    }
+
+    /// Sets [`CausalLm::attention_kernel`] for every layer.
+    pub fn set_attention_kernel(&mut self, kernel: AttentionKernel) {
+        for layer in &mut self.layers {
+            layer.self_attn.kernel = kernel;
         }
     }
 

@@ -287,6 +287,7 @@ fn attention_matches_burns_masked_attention() {
     use burn::tensor::Bool;
     use std::sync::Arc;
     use troupe::model::fused::{attention, grouped_attention, HostMask};
+    use troupe::model::AttentionKernel;
 
     let device = Device::flex().autodiff();
     let mut rng = ChaCha8Rng::seed_from_u64(6);
@@ -322,7 +323,7 @@ fn attention_matches_burns_masked_attention() {
             let leaf = |t: &Tensor<4>| Tensor::<4>::from_data(t.to_data(), &device).require_grad();
             let (q, k, v) = (leaf(&q), leaf(&k), leaf(&v));
             let out = if path == 0 {
-                attention(q.clone(), k.clone(), v.clone(), &mask, &host)
+                attention(q.clone(), k.clone(), v.clone(), &mask, &host, AttentionKernel::Auto)
             } else if path == 1 {
                 grouped_attention(q.clone(), k.clone(), v.clone(), &mask)
             } else {

@@ -14,6 +14,7 @@ mod cli_train;
 mod code_cli;
 mod env_cli;
 mod external_env;
+mod flash_attention;
 mod fused_ops;
 mod generation;
 mod gguf;

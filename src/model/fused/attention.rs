@@ -13,7 +13,8 @@
 //! burn's masked softmax gives. The sums run in another order than burn's: values and gradients
 //! agree within float rounding (tested against burn's attention).
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -27,8 +28,10 @@ use burn::tensor::ops::AttentionModuleOptions;
 use burn::tensor::{Bool, DType, Tensor, TensorData};
 use rayon::prelude::*;
 
+use super::flash::FlashRefusal;
 use super::vexp::exp_in_place;
 use super::{gemm_f32, on_flex};
+use crate::model::AttentionKernel;
 
 /// Query positions per block: the keys a block computes are those any of its queries may see.
 const QUERY_BLOCK: usize = 64;
@@ -472,8 +475,10 @@ impl<C: CheckpointStrategy> MaskedAttentionBackend for Autodiff<Flex, C> {
 
 /// Masked grouped-query attention (scale `1 / sqrt(head_dim)`): fused on the CPU; elsewhere
 /// (and for any dtype but f32) burn's attention, through [`grouped_attention`] except where
-/// burn's CPU attention shares the key/value heads itself. `mask` and `host_mask` are the same
-/// mask.
+/// burn's CPU attention shares the key/value heads itself, or, for a forward without gradients
+/// on a GPU when `kernel` asks for it, burn-cubecl's flash kernel
+/// ([`super::flash::grouped_flash_attention`]; where it cannot run, the materialized kernel with a
+/// warning per reason). `mask` and `host_mask` are the same mask.
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
@@ -484,6 +489,7 @@ pub fn attention(
     v: Tensor<4>,
     mask: &Tensor<4, Bool>,
     host_mask: &Arc<HostMask>,
+    kernel: AttentionKernel,
 ) -> Tensor<4> {
     let flex = on_flex(&q);
     let f32s = [&q, &k, &v].iter().all(|t| t.dtype() == DType::F32);
@@ -500,31 +506,68 @@ pub fn attention(
         // burn's CPU attention shares each key/value head among its query heads itself.
         return burn_attention(q, k, v, Some(mask.clone()), None, OPTIONS);
     }
+    if kernel.runs_flash() && !differentiable {
+        let (out, refusal) = super::flash::grouped_flash_attention(q, k, v, mask);
+        if let Some(refusal) = refusal {
+            warn_once(refusal);
+        }
+        return out;
+    }
     grouped_attention(q, k, v, mask)
 }
 
+/// Warns that `runtime.attention: flash` ran the materialized kernel, once per reason in a
+/// process.
+fn warn_once(refusal: FlashRefusal) {
+    static WARNED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    let reason = refusal.to_string();
+    if WARNED.lock().unwrap_or_else(|e| e.into_inner()).insert(reason.clone()) {
+        tracing::warn!("runtime.attention: flash: using the materialized kernel: {reason}");
+    }
+}
+
 /// burn's attention: scale `1 / sqrt(head_dim)`, the mask given, not causal by itself.
-const OPTIONS: AttentionModuleOptions = AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
+pub(super) const OPTIONS: AttentionModuleOptions =
+    AttentionModuleOptions { scale: None, softcap: None, is_causal: false };
 
 /// Grouped-query attention through burn's attention, for backends whose attention wants as many
 /// key/value heads as query heads (CUDA's; burn's differentiable fallback), without repeating
-/// the key/value heads: the `group` query heads of each key/value head are folded into its query
-/// positions, so keys and values are read once as they are and only the boolean mask is repeated
-/// (`group` times its rows). No key/value copy forward, no sum over the copies backward.
+/// the key/value heads (`fold_query_heads`).
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
 /// `[batch, 1, seq, keys]` -> `[batch, heads, seq, head_dim]`
 pub fn grouped_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: &Tensor<4, Bool>) -> Tensor<4> {
+    fold_query_heads(q, k, v, mask, |q, k, v, mask| burn_attention(q, k, v, Some(mask), None, OPTIONS))
+}
+
+/// Runs `attend`, an attention that wants as many key/value heads as query heads (or one), on
+/// grouped-query inputs without repeating the key/value heads: the `group` query heads of each
+/// key/value head are folded into its query positions, so keys and values are read once as they
+/// are and only the boolean mask is repeated (`group` times its rows). No key/value copy forward,
+/// no sum over the copies backward. `attend` gets the mask's rows in the folded queries' order.
+///
+/// # Shapes
+/// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
+/// `[batch, 1, seq, keys]` -> `[batch, heads, seq, head_dim]`; `attend` takes `[batch, kv_heads,
+/// group * seq, head_dim]` queries, the keys and values, a `[batch, 1, group * seq, keys]` mask and
+/// returns `[batch, kv_heads, group * seq, head_dim]`
+pub(super) fn fold_query_heads(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: &Tensor<4, Bool>,
+    attend: impl FnOnce(Tensor<4>, Tensor<4>, Tensor<4>, Tensor<4, Bool>) -> Tensor<4>,
+) -> Tensor<4> {
     let [batch, heads, seq, head_dim] = q.dims();
     let [_, kv_heads, keys, _] = k.dims();
     let group = heads / kv_heads;
     if group == 1 {
-        return burn_attention(q, k, v, Some(mask.clone()), None, OPTIONS);
+        return attend(q, k, v, mask.clone());
     }
     // Query head `h` reads key/value head `h / group`: `[batch, kv_heads, group, seq]` rows.
     let q = q.reshape([batch, kv_heads, group * seq, head_dim]);
     let mask =
         mask.clone().unsqueeze_dim::<5>(2).expand([batch, 1, group, seq, keys]).reshape([batch, 1, group * seq, keys]);
-    burn_attention(q, k, v, Some(mask), None, OPTIONS).reshape([batch, heads, seq, head_dim])
+    attend(q, k, v, mask).reshape([batch, heads, seq, head_dim])
 }

@@ -17,13 +17,15 @@
 //! - [`attention`]: masked grouped-query attention, one task per key/value head, over only the
 //!   keys a block of queries may see, with its backward.
 //!
-//! Each falls back to burn's composite ops on other backends (CUDA).
+//! Each falls back to burn's composite ops on other backends (CUDA). There, attention without
+//! gradients may instead run burn-cubecl's flash kernel ([`flash`], `runtime.attention`).
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{Device, Tensor};
 use rayon::prelude::*;
 
 pub mod attention;
+pub mod flash;
 pub mod linear;
 pub mod matmul;
 pub mod rms_norm;
@@ -33,6 +35,7 @@ pub mod token_logprob;
 pub mod vexp;
 
 pub use attention::{attention, grouped_attention, HostMask};
+pub use flash::{grouped_flash_attention, FlashRefusal};
 pub use linear::dense_linear;
 pub use matmul::batched_matmul;
 pub use rms_norm::rms_norm;

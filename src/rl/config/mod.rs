@@ -343,6 +343,25 @@ mod tests {
     }
 
     #[test]
+    fn runtime_attention_reads_refuses_by_name_and_reaches_the_model() {
+        use crate::model::AttentionKernel;
+        assert_eq!(parse("", &[]).unwrap().runtime.attention, AttentionKernel::Auto);
+        assert_eq!(parse("runtime: {attention: flash}", &[]).unwrap().runtime.attention, AttentionKernel::Flash);
+        let set = parse("runtime: {attention: flash}", &["runtime.attention=materialized"]).unwrap();
+        assert_eq!(set.runtime.attention, AttentionKernel::Materialized);
+        assert_eq!(
+            error("runtime: {attention: fast}", &[]),
+            "configs/test.yaml: runtime.attention: unknown variant `fast`, expected one of `auto`, `flash`, `materialized`"
+        );
+        let err = error("", &["runtime.attention=3"]);
+        assert!(err.contains("runtime.attention: ") && !err.contains('\n'), "{err}");
+        // The model a run loads takes the kernel (the CPU then runs its fused attention anyway).
+        let config = parse("runtime: {attention: flash}", &[]).unwrap();
+        let model = crate::rl::run::load_model(&config, &burn::tensor::Device::flex()).unwrap();
+        assert_eq!(model.lm.attention_kernel(), AttentionKernel::Flash);
+    }
+
+    #[test]
     fn yaml_syntax_errors_name_the_file() {
         let err = error("training: {group_size: 4\n", &[]);
         assert!(err.starts_with("configs/test.yaml: ") && err.contains("line"), "{err}");

@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::adapters::{AdamWConfig, AdapterMode};
+use crate::model::AttentionKernel;
 use crate::rl::credit::advantage::{AdvantageBaseline, RewardScaling};
 use crate::rl::credit::batch::{AdvantageGrouping, AdvantageSettings};
 use crate::rl::objective::{KlPenalty, ObjectiveConfig};
@@ -132,5 +133,11 @@ config_section! {
         pub gradient_checkpointing: bool = false,
         /// Evaluation episodes played together in one batch of rollouts.
         pub eval_batch_episodes: usize = 64,
+        /// The attention kernel on a GPU for the forwards without gradients (rollouts,
+        /// generation, scoring, evaluation): `flash` (burn-cubecl's flash kernel, no score matrix
+        /// in memory), `materialized` (burn's separate kernels, the scores held) or `auto`
+        /// (`materialized`: the two are not yet timed on a GPU). The update's forward and the
+        /// CPU are unaffected.
+        pub attention: AttentionKernel = AttentionKernel::Auto,
     }
 }

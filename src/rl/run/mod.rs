@@ -84,14 +84,17 @@ pub struct PendingIteration {
     warmup_seconds: f64,
 }
 
-/// The model a config names: a Hugging Face directory, or the built-in preset.
+/// The model a config names: a Hugging Face directory, or the built-in preset; its attention
+/// kernel `runtime.attention`.
 pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result<Model> {
-    Model::load(&config.model, device).map_err(|err| match err {
+    let mut model = Model::load(&config.model, device).map_err(|err| match err {
         TroupeError::BadValue { key: name, message, .. } if name == "model.preset" => {
             TroupeError::BadValue { origin: Some(PathBuf::from(CONFIG_FILE)), key: name, message }
         }
         other => other,
-    })
+    })?;
+    model.lm.set_attention_kernel(config.runtime.attention);
+    Ok(model)
 }
 
 /// The agents' fresh adapters, as the config asks (seeded from the run seed).
