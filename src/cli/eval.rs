@@ -15,7 +15,6 @@ use crate::rl::config::TrainConfig;
 use crate::rl::credit::Credit;
 use crate::rl::crossplay::crossplay;
 use crate::rl::eval::evaluate;
-use crate::rl::run::checkpoint::{latest_checkpoint, ADAPTERS_DIR};
 use crate::rl::run::load_model;
 
 /// Arguments of `troupe eval`.
@@ -52,14 +51,8 @@ pub struct EvalArgs {
 /// The adapters directory `path` names: itself, `path/adapters` (a checkpoint), or the newest
 /// checkpoint's adapters of a run directory.
 pub fn resolve_adapters_dir(path: &Path) -> anyhow::Result<PathBuf> {
-    if path.join(crate::adapters::peft::MANIFEST_FILE).exists() {
-        return Ok(path.to_path_buf());
-    }
-    if path.join(ADAPTERS_DIR).is_dir() {
-        return Ok(path.join(ADAPTERS_DIR));
-    }
-    if let Some((_, dir)) = latest_checkpoint(path)? {
-        return Ok(dir.join(ADAPTERS_DIR));
+    if let Some(dir) = crate::rl::run::adapters_dir_of(path)? {
+        return Ok(dir);
     }
     if !path.exists() {
         anyhow::bail!("{}: no such directory", path.display());

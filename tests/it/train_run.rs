@@ -191,3 +191,43 @@ fn a_directory_holding_a_run_is_not_overwritten_and_resume_keeps_the_experiment(
     let err = try_resume(&tmp.path().join("nowhere"), &[]).err().unwrap().to_string();
     assert!(err.contains("not a run directory"), "{err}");
 }
+
+#[test]
+fn a_run_starts_from_an_earlier_runs_adapters_and_refuses_ones_of_another_shape() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = tmp.path().join("first");
+    let mut run = start(config(&first, 2, 2, &[]));
+    finish(&mut run);
+    drop(run);
+    let trained = adapter_files(&checkpoint_dir(&first, 2));
+    assert!(trained != adapter_files(&checkpoint_dir(&first, 0)), "the first run trained");
+
+    // A run directory (its newest checkpoint), a checkpoint, or an adapters directory.
+    let sources = [first.clone(), checkpoint_dir(&first, 2), checkpoint_dir(&first, 2).join("adapters")];
+    for (i, source) in sources.iter().enumerate() {
+        let out = tmp.path().join(format!("from-{i}"));
+        let init = format!("agents.init_adapters={}", source.display());
+        let mut run = start(config(&out, 2, 2, &[&init]));
+        assert!(adapter_files(&checkpoint_dir(&out, 0)) == trained, "{}: starts from them", source.display());
+        finish(&mut run);
+        assert!(adapter_files(&checkpoint_dir(&out, 2)) != trained, "{}: training goes on", source.display());
+    }
+
+    let init = format!("agents.init_adapters={}", first.display());
+    for (extra, expected) in [
+        ("adapter.r=8", vec!["adapter.r", "8", "4", "init_adapters"]),
+        ("adapter.target_modules=[q_proj]", vec!["adapter.target_modules", "init_adapters"]),
+        ("agents.mode=shared", vec!["agents.init_adapters", "Shared", "PerAgent"]),
+    ] {
+        let out = tmp.path().join("refused");
+        let err = try_start(config(&out, 1, 1, &[&init, extra])).err().expect(extra).to_string();
+        for part in expected {
+            assert!(err.contains(part), "{extra}: {err}");
+        }
+        assert!(!out.exists(), "{extra}: nothing written");
+    }
+    let missing = tmp.path().join("missing");
+    let set = format!("agents.init_adapters={}", missing.display());
+    let err = try_start(config(&tmp.path().join("refused"), 1, 1, &[&set])).err().unwrap().to_string();
+    assert!(err.contains("agents.init_adapters") && err.contains("no such directory"), "{err}");
+}

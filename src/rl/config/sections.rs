@@ -52,6 +52,13 @@ config_section! {
         pub seats: Vec<usize> = vec![0, 1],
         /// `per_agent` (one adapter and optimizer per agent) or `shared` (one for all agents).
         pub mode: AdapterMode = AdapterMode::PerAgent,
+        /// Start from these adapters instead of fresh ones: a PEFT adapters directory (with
+        /// `troupe.json`), a checkpoint, or a run directory (its newest checkpoint), as
+        /// `troupe eval --adapters` takes them; an earlier run's agents, say, trained beside a
+        /// scripted partner or by supervised fine-tuning. They must hold the same agents, mode
+        /// and `adapter:` shape (rank, alpha, rsLoRA, targets); the optimizer starts afresh.
+        /// Unset: fresh adapters (PEFT's initialisation, from `run.seed`).
+        pub init_adapters: Option<std::path::PathBuf> = None,
     }
 }
 

@@ -108,6 +108,99 @@ pub fn fresh_adapters(config: &TrainConfig, model: &Model) -> Result<MultiAdapte
     Ok(manager)
 }
 
+/// The adapters directory `path` names: itself (a PEFT adapters directory with `troupe.json`),
+/// `path/adapters` (a checkpoint), or the newest checkpoint's adapters of a run directory;
+/// `None` when it is none of these.
+pub fn adapters_dir_of(path: &Path) -> Result<Option<PathBuf>> {
+    if path.join(crate::adapters::peft::MANIFEST_FILE).exists() {
+        return Ok(Some(path.to_path_buf()));
+    }
+    if path.join(checkpoint::ADAPTERS_DIR).is_dir() {
+        return Ok(Some(path.join(checkpoint::ADAPTERS_DIR)));
+    }
+    if path.is_dir() {
+        if let Some((_, dir)) = latest_checkpoint(path)? {
+            return Ok(Some(dir.join(checkpoint::ADAPTERS_DIR)));
+        }
+    }
+    Ok(None)
+}
+
+/// The adapters a new run starts from: fresh ones ([`fresh_adapters`]), or those
+/// `agents.init_adapters` names, checked to hold the config's agents, mode and adapter shape
+/// (each keeps the config's `adapter:` settings, dropout included). `origin` names the config
+/// file in errors.
+pub fn initial_adapters(config: &TrainConfig, model: &Model, origin: &Path) -> Result<MultiAdapterManager> {
+    let mut manager = fresh_adapters(config, model)?;
+    let Some(path) = &config.agents.init_adapters else {
+        return Ok(manager);
+    };
+    let bad = |key: &str, message: String| TroupeError::config(origin, key, message);
+    let dir = adapters_dir_of(path)?.ok_or_else(|| {
+        let what = if path.exists() {
+            "neither an adapters directory (troupe.json), a checkpoint, nor a run directory with checkpoints"
+        } else {
+            "no such directory"
+        };
+        bad("agents.init_adapters", format!("{}: {what}", path.display()))
+    })?;
+    let mut loaded = MultiAdapterManager::for_model(model);
+    loaded.load_adapters(&dir).map_err(|err| bad("agents.init_adapters", format!("{}: {err}", dir.display())))?;
+    if loaded.mode() != manager.mode() || loaded.agent_ids() != manager.agent_ids() {
+        return Err(bad(
+            "agents.init_adapters",
+            format!(
+                "{} holds agents {:?} ({:?} mode); the config has agents {:?} ({:?} mode, agents.num_agents, agents.mode)",
+                dir.display(),
+                loaded.agent_ids(),
+                loaded.mode(),
+                manager.agent_ids(),
+                manager.mode()
+            ),
+        ));
+    }
+    let wanted = config.adapter_config();
+    for agent in manager.agent_ids() {
+        let mut adapter = loaded.adapter(agent)?.clone();
+        let have = &adapter.config;
+        let targets = |c: &crate::adapters::AdapterConfig| {
+            let mut t: Vec<String> = c.target_modules.iter().map(|p| p.module_name().to_string()).collect();
+            t.sort();
+            t
+        };
+        let differs = [
+            ("adapter.r", have.r != wanted.r, format!("{}", have.r), format!("{}", wanted.r)),
+            (
+                "adapter.lora_alpha",
+                have.lora_alpha != wanted.lora_alpha,
+                have.lora_alpha.to_string(),
+                wanted.lora_alpha.to_string(),
+            ),
+            (
+                "adapter.use_rslora",
+                have.use_rslora != wanted.use_rslora,
+                have.use_rslora.to_string(),
+                wanted.use_rslora.to_string(),
+            ),
+            (
+                "adapter.target_modules",
+                targets(have) != targets(&wanted),
+                format!("{:?}", targets(have)),
+                format!("{:?}", targets(&wanted)),
+            ),
+        ];
+        if let Some((key, _, theirs, ours)) = differs.into_iter().find(|d| d.1) {
+            return Err(bad(
+                key,
+                format!("{ours}, but agent {agent}'s adapter in {} (agents.init_adapters) has {theirs}", dir.display()),
+            ));
+        }
+        adapter.config = wanted.clone();
+        manager.set_adapter(agent, adapter)?;
+    }
+    Ok(manager)
+}
+
 impl TrainingRun {
     /// Starts a new run in `config.run.out_dir`, which must not hold a run already. Writes
     /// `config.yaml` and the checkpoint of iteration 0. `origin` names the config file in errors.
@@ -132,19 +225,26 @@ impl TrainingRun {
         check_fresh_dir(&run_dir)?;
         let model = load_model(&config, device)?;
         super::config::preflight::check_against_model(&config, origin, &model, &registry)?;
+        let manager = initial_adapters(&config, &model, origin)?;
         let lock = match early_lock {
             Some(lock) => lock,
             None => RunLock::acquire(&run_dir)?,
         };
         // Checked again under the lock: another trainer may have started here meanwhile.
         check_fresh_dir(&run_dir)?;
-        Self::begin(config, run_dir, model, registry, lock)
+        Self::begin(config, run_dir, model, manager, registry, lock)
     }
 
     /// The fresh state of a run in `run_dir` (locked): `config.yaml`, the reference copy of
     /// the config, an empty `metrics.jsonl` and the checkpoint of iteration 0.
-    fn begin(config: TrainConfig, run_dir: PathBuf, model: Model, registry: Registry, lock: RunLock) -> Result<Self> {
-        let manager = fresh_adapters(&config, &model)?;
+    fn begin(
+        config: TrainConfig,
+        run_dir: PathBuf,
+        model: Model,
+        manager: MultiAdapterManager,
+        registry: Registry,
+        lock: RunLock,
+    ) -> Result<Self> {
         let trainer = MagrpoTrainer::new(model, manager, registry, &config)?;
         config.save(&run_dir)?;
         super::config::guard::record(&config, &run_dir)?;
@@ -215,7 +315,8 @@ impl TrainingRun {
                 run_dir.display()
             );
             super::config::preflight::check_against_model(&config, &config_path, &model, &registry)?;
-            return Self::begin(config, run_dir.to_path_buf(), model, registry, lock);
+            let manager = initial_adapters(&config, &model, &config_path)?;
+            return Self::begin(config, run_dir.to_path_buf(), model, manager, registry, lock);
         }
         let mut manager = fresh_adapters(&config, &model)?;
         let (checkpoint, dir) = load_newest_readable(run_dir, &mut manager, device)?;
