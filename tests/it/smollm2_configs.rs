@@ -1,7 +1,8 @@
-//! The SmolLM2 game configs (`configs/hanabi_smollm2.yaml`, `configs/hanabi_very_small_smollm2.yaml`)
-//! load as shipped, on the CPU and for `--device cuda`, and one iteration of each trains and
-//! evaluates with the tiny Llama GGUF fixture standing in for SmolLM2 (same family, a chat
-//! template in its metadata; no download).
+//! The SmolLM2 game configs (`configs/hanabi_smollm2.yaml`, `configs/hanabi_very_small_smollm2.yaml`
+//! and its self-play part 2, `configs/hanabi_very_small_smollm2_selfplay.yaml`) load as shipped, on
+//! the CPU and for `--device cuda`, and one iteration of each trains and evaluates with the tiny
+//! Llama GGUF fixture standing in for SmolLM2 (same family, a chat template in its metadata; no
+//! download), part 2 starting from part 1's agents.
 
 use crate::common;
 
@@ -11,7 +12,11 @@ use troupe::rl::config::TrainConfig;
 use troupe::rl::run::TrainingRun;
 use troupe_envs::Registry;
 
-const CONFIGS: [&str; 2] = ["configs/hanabi_smollm2.yaml", "configs/hanabi_very_small_smollm2.yaml"];
+const CONFIGS: [&str; 3] = [
+    "configs/hanabi_smollm2.yaml",
+    "configs/hanabi_very_small_smollm2.yaml",
+    "configs/hanabi_very_small_smollm2_selfplay.yaml",
+];
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -27,6 +32,11 @@ fn the_configs_load_for_the_cpu_and_for_cuda() {
         assert!(config.model.path.as_ref().unwrap().ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"), "{name}");
         assert!(config.action.chat_template, "{name}");
         config.build_env(&path, &registry).unwrap();
+        if name.ends_with("_selfplay.yaml") {
+            let part_one = TrainConfig::from_yaml_file(&root().join(CONFIGS[1]), &[], &registry).unwrap();
+            assert_eq!(config.agents.init_adapters.as_ref(), Some(&part_one.run.out_dir), "part 2 reads part 1's run");
+            assert!(config.training.partners.is_empty(), "part 2 is self-play");
+        }
         // For `--device cuda` the config is valid as it stands: a build without the `cuda`
         // feature refuses the device and nothing else.
         let cuda = TrainConfig::from_yaml_file(&path, &["model.device=cuda".to_string()], &registry);
@@ -43,9 +53,9 @@ fn the_configs_load_for_the_cpu_and_for_cuda() {
 fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
     let registry = Registry::with_builtins();
     let model = root().join("fixtures/gguf/tiny-llama.gguf");
+    let dir = tempfile::tempdir().unwrap();
     for name in CONFIGS {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path().join("run");
+        let out = dir.path().join(name.trim_start_matches("configs/").trim_end_matches(".yaml"));
         let overrides: Vec<String> = [
             format!("model.path={}", model.display()),
             format!("run.out_dir={}", out.display()),
@@ -63,6 +73,11 @@ fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
         if name.ends_with("hanabi_smollm2.yaml") {
             // Full Hanabi's longer observation: hands of 3 keep it within the fixture's positions.
             overrides.push("env.hand_size=3".to_string());
+        }
+        if name.ends_with("_selfplay.yaml") {
+            // Part 2 goes on from part 1's agents (run just before it in this loop).
+            let part_one = dir.path().join("hanabi_very_small_smollm2");
+            overrides.push(format!("agents.init_adapters={}", part_one.display()));
         }
         let path = root().join(name);
         let config = TrainConfig::from_yaml_file(&path, &overrides, &registry).unwrap();
