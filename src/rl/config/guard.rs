@@ -126,6 +126,20 @@ mod tests {
     }
 
     #[test]
+    fn a_reference_with_seat_maps_from_before_a_new_key_shows_no_edit() {
+        // JSON writes the seat maps' keys as strings ("1": "rule"); an earlier version's
+        // reference must still read back, or every key added since would count as an edit.
+        let text = "training: {partners: [{1: rule}, {0: rule}]}\neval: {baseline_seats: {1: random}}";
+        let registry = troupe_envs::Registry::with_builtins();
+        let config = TrainConfig::from_yaml_str(text, Path::new("test.yaml"), &[], &registry).unwrap();
+        let mut old = serde_json::to_value(&config).unwrap();
+        assert_eq!(old["training"]["partners"][0]["1"], Value::from("rule"));
+        old["runtime"].as_object_mut().unwrap().remove("attention");
+        let upgraded = serde_json::to_value(super::super::migrate::upgrade_recorded(&old).unwrap()).unwrap();
+        assert_eq!(differences(&upgraded, &serde_json::to_value(&config).unwrap()), vec![]);
+    }
+
+    #[test]
     fn differences_name_nested_keys_and_both_values() {
         let a = serde_json::json!({"run": {"iterations": 2, "seed": 1}, "training": {"lr": 0.1}, "env": {"name": "hanabi"}});
         let b = serde_json::json!({"run": {"iterations": 3, "seed": 1}, "training": {"lr": 0.2}, "env": {"name": "hanabi", "players": 3}});

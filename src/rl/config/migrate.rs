@@ -98,7 +98,9 @@ fn insert_path_if_absent(tree: &mut Yaml, path: &[&str], value: Yaml) -> bool {
 pub(crate) fn upgrade_recorded(tree: &serde_json::Value) -> Option<super::TrainConfig> {
     let mut tree: Yaml = serde_yaml::to_value(tree).ok()?;
     move_keys(&mut tree, None);
-    serde_yaml::from_value(tree).ok()
+    // Back through JSON, not YAML: JSON wrote the seat maps' integer keys as strings, and only
+    // serde_json reads a string key back as a number.
+    serde_json::from_value(serde_json::to_value(tree).ok()?).ok()
 }
 
 #[cfg(test)]
