@@ -10,7 +10,7 @@ use serde_json::json;
 
 use super::adapters::adapter_delta;
 use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
-use crate::model::{builtin, ChatMessage, LoadOptions, Model, Precision, Preset, ProjectionDelta};
+use crate::model::{builtin, AttentionKernel, ChatMessage, LoadOptions, Model, Precision, Preset, ProjectionDelta};
 
 /// `troupe init-model`: write the built-in model as a Hugging Face directory.
 #[derive(Debug, Args)]
@@ -49,6 +49,10 @@ pub struct LogprobsArgs {
     /// Precision of the base's matrices: auto (bf16 on CUDA, f32 on the CPU), bf16, f16, f32.
     #[arg(long, value_enum, default_value = "auto")]
     pub dtype: Precision,
+    /// Attention kernel on a GPU (`runtime.attention`): auto, flash, materialized. The CPU runs
+    /// its own fused attention whatever this says.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub attention: AttentionKernel,
 }
 
 /// `troupe generate`: continue a prompt.
@@ -88,6 +92,10 @@ pub struct GenerateArgs {
     /// Precision of the base's matrices: auto (bf16 on CUDA, f32 on the CPU), bf16, f16, f32.
     #[arg(long, value_enum, default_value = "auto")]
     pub dtype: Precision,
+    /// Attention kernel on a GPU (`runtime.attention`): auto, flash, materialized. The CPU runs
+    /// its own fused attention whatever this says.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub attention: AttentionKernel,
 }
 
 /// `troupe model` subcommands.
@@ -125,23 +133,35 @@ pub fn init_model(args: InitModelArgs) -> Result<()> {
     Ok(())
 }
 
-fn load(
-    model: Option<&std::path::Path>,
-    device: &burn::tensor::Device,
+/// How `logprobs` and `generate` load and run the base: `--model`, `--quantized`, `--dtype`,
+/// `--attention`.
+struct BaseChoice<'a> {
+    model: Option<&'a std::path::Path>,
     quantized: bool,
     dtype: Precision,
-) -> Result<Model> {
-    let path = model.map(std::path::Path::to_path_buf);
-    let options = LoadOptions { path, quantized, dtype, ..LoadOptions::default() };
-    Model::load(&options, device).with_context(|| match model {
+    attention: AttentionKernel,
+}
+
+fn load(base: BaseChoice<'_>, device: &burn::tensor::Device) -> Result<Model> {
+    let path = base.model.map(std::path::Path::to_path_buf);
+    let options = LoadOptions { path, quantized: base.quantized, dtype: base.dtype, ..LoadOptions::default() };
+    let mut model = Model::load(&options, device).with_context(|| match base.model {
         Some(path) => format!("loading model {}", path.display()),
         None => "building the built-in model".to_string(),
-    })
+    })?;
+    model.lm.set_attention_kernel(base.attention);
+    Ok(model)
 }
 
 /// Runs `troupe logprobs`.
 pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()> {
-    let model = load(args.model.as_deref(), device, args.quantized, args.dtype)?;
+    let base = BaseChoice {
+        model: args.model.as_deref(),
+        quantized: args.quantized,
+        dtype: args.dtype,
+        attention: args.attention,
+    };
+    let model = load(base, device)?;
     let input_ids = model.tokenizer.encode(&args.text)?;
     // Before the model runs: attention's memory grows with the square of the token count.
     let context = model.lm.config.max_position_embeddings;
@@ -184,7 +204,13 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         anyhow::bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
-    let model = load(args.model.as_deref(), device, args.quantized, args.dtype)?;
+    let base = BaseChoice {
+        model: args.model.as_deref(),
+        quantized: args.quantized,
+        dtype: args.dtype,
+        attention: args.attention,
+    };
+    let model = load(base, device)?;
     let prompt = if args.chat {
         model
             .tokenizer

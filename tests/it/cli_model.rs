@@ -94,3 +94,42 @@ fn bad_input_is_one_line_and_nonzero() {
         assert!(lines[0].starts_with("error: "), "{stderr}");
     }
 }
+
+/// `--attention` reaches `logprobs` and `generate`: on the CPU (troupe's own fused attention,
+/// whatever the flag) every kernel gives the default's values exactly; on a GPU
+/// (`TROUPE_TEST_DEVICE=cuda`) the flash kernel runs without falling back and stays within the
+/// tests' tolerance of the materialized one.
+#[test]
+fn attention_flag_reaches_logprobs_and_generate() {
+    let device = std::env::var("TROUPE_TEST_DEVICE").ok().filter(|name| !name.is_empty());
+    let run = |command: &[&str], kernel: &str| {
+        let mut args: Vec<&str> = device.iter().flat_map(|name| ["--device", name.as_str()]).collect();
+        args.extend_from_slice(command);
+        args.extend_from_slice(&["--attention", kernel, "--dtype", "f32"]);
+        let out = troupe(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!stderr.contains("using the materialized kernel"), "{kernel}: the flash kernel fell back: {stderr}");
+        json_stdout(&out)
+    };
+    let text = ["logprobs", "--text", "Player 1 hints red to player 0, who plays card 3."];
+    let prompt = ["generate", "--prompt", "Your move?", "--chat", "--max-new-tokens", "5"];
+    let [auto, flash, materialized] =
+        ["auto", "flash", "materialized"].map(|kernel| (run(&text, kernel), run(&prompt, kernel)));
+    let values = |json: &serde_json::Value| -> Vec<f64> {
+        json["logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+    };
+    for (kernel, (logprobs, generated)) in [("flash", &flash), ("materialized", &materialized)] {
+        assert_eq!(logprobs["input_ids"], auto.0["input_ids"], "{kernel}");
+        let worst = values(logprobs).iter().zip(values(&auto.0)).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        // On a GPU the products round to TF32 (`common::tolerance`), so a different attention
+        // kernel moves the next products' roundings too.
+        let allowed = if device.as_deref().is_none_or(|name| name == "cpu") { 0.0 } else { 2e-2 };
+        assert!(worst <= allowed, "{kernel}: log-probs differ from auto by {worst}");
+        if allowed == 0.0 {
+            assert_eq!(generated["output_ids"], auto.1["output_ids"], "{kernel}: greedy generation");
+        }
+    }
+    let bad = troupe(&["logprobs", "--text", "x", "--attention", "fast"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--attention"), "the error names the flag");
+}
