@@ -7,6 +7,10 @@ and a Python that has the peers (`pip install -r tools/requirements-peers.txt`):
     python3 tools/gpu_figures.py --device cuda --python /venv/bin/python --out figures.json
     python3 tools/gpu_figures.py --device cpu --quick --out /tmp/figures.json   # a smoke run
 
+On a machine without cargo, build the benchmark executables elsewhere
+(`cargo bench --no-run --features cuda --bench model --bench adapters` prints their paths),
+copy them into one folder as `model` and `adapters`, and pass `--benches FOLDER`.
+
 Runs, in this order, each part `--reps` times alternating troupe and its peer:
 - kernels (the `small` preset): troupe's criterion benchmarks `model` (prefill / decode, batch 1
   and 16) and `adapters` (LoRA step, mixed-adapter forward), read by `criterion_fastest.py`, and
@@ -161,17 +165,22 @@ def troupe_kernels(args, criterion_dir):
     model = {"prefill_small/b1x128": "prefill_tok_s_b1", "prefill_small/b16x128": "prefill_tok_s_b16",
              "decode_small/b1": "decode_tok_s_b1", "decode_small/b16": "decode_tok_s_b16"}
     out = {}
+
+    def bench(name):
+        # A prebuilt criterion executable (`--benches`) takes the arguments `cargo bench` hands it.
+        if args.benches:
+            return [os.path.join(args.benches, name), "--bench"]
+        return ["cargo", "bench", *features, "--bench", name, "--"]
+
     for kernel in ("materialized", "flash"):
-        run(["cargo", "bench", *features, "--bench", "model", "--", "small", *quick],
-            {**env, "TROUPE_ATTENTION": kernel})
+        run([*bench("model"), "small", *quick], {**env, "TROUPE_ATTENTION": kernel})
         figures = tokens_per_second(criterion_dir, model)
         if kernel == "materialized":
             out.update(figures)
         else:
             out["attention_flash"] = figures
             out["attention_flash_over_materialized"] = {key: figures[key] / out[key] for key in figures}
-    run(["cargo", "bench", *features, "--bench", "adapters", "--", "lora_train_step|mixed32x64_forward/one_pass",
-         *quick], env)
+    run([*bench("adapters"), "lora_train_step|mixed32x64_forward/one_pass", *quick], env)
     out.update(tokens_per_second(criterion_dir, {"lora_train_step/b8x128": "lora_train_tok_s_b8x128"}))
     k1, k8 = (criterion_fastest.load(criterion_dir, f"mixed32x64_forward/one_pass/K{k}", "estimates.json")
               ["mean"]["point_estimate"] for k in (1, 8))
@@ -226,7 +235,11 @@ def main():
     p.add_argument("--python", default=sys.executable, help="a Python with torch, transformers, peft, trl")
     p.add_argument("--reward-python", default="python3", help="the Python that serves troupe's length reward")
     p.add_argument("--troupe", default=os.path.join(ROOT, "target/release/troupe"))
-    p.add_argument("--target-dir", default=os.path.join(ROOT, "target"), help="cargo's target dir for the benches")
+    p.add_argument("--target-dir", default=os.path.join(ROOT, "target"),
+                   help="cargo's target dir for the benches; criterion writes its results under it")
+    p.add_argument("--benches", help="a folder holding the benchmark executables `model` and `adapters`, built "
+                   "beforehand (`cargo bench --no-run [--features cuda] --bench model --bench adapters` prints "
+                   "their paths), for a machine without cargo; default: `cargo bench` builds and runs them")
     p.add_argument("--preset", default="qwen3-0.6b", help="the model of the whole-iteration comparison")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--iterations", type=int, default=3)
@@ -248,6 +261,9 @@ def main():
         args.dtype = "bf16" if args.device.startswith("cuda") else "f32"
     if not os.access(args.troupe, os.X_OK):
         sys.exit(f"error: --troupe {args.troupe}: no such executable (cargo build --release first)")
+    for name in ("model", "adapters") if args.benches and not args.skip_kernels else ():
+        if not os.access(os.path.join(args.benches, name), os.X_OK):
+            sys.exit(f"error: --benches {args.benches}: no executable `{name}` in it")
     result = {"machine": machine(args.device, args.python), "device": args.device, "dtype": args.dtype,
               "quick": args.quick,
               "settings": {k: getattr(args, k) for k in ("preset", "reps", "iterations", "groups",
