@@ -7,7 +7,8 @@
 //! device has finished its work). `TROUPE_DTYPE=f32|bf16|f16` sets the base's precision (default
 //! `auto`: bf16 on CUDA, f32 on the CPU), `TROUPE_ATTENTION=flash|materialized` the attention
 //! kernel on a GPU (`runtime.attention`; default `auto`, the materialized one; the CPU runs its
-//! fused attention whatever it says).
+//! fused attention whatever it says). `TROUPE_BENCH_PRESETS=small,qwen3-0.6b` picks the presets
+//! (default `tiny,small`); each preset's groups are named after it (`prefill_qwen3-0.6b`).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
@@ -27,10 +28,10 @@ fn bench_model(c: &mut Criterion) {
     let device = troupe::device::default_device().expect("TROUPE_DEVICE");
     let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
     let kernel = troupe::device::default_attention_kernel().expect("TROUPE_ATTENTION");
-    for preset in [Preset::Tiny, Preset::Small] {
+    for preset in troupe::device::bench_presets(&[Preset::Tiny, Preset::Small]).expect("TROUPE_BENCH_PRESETS") {
         let mut model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
         model.lm.set_attention_kernel(kernel);
-        let name = format!("{preset:?}").to_lowercase();
+        let name = troupe::device::preset_name(preset);
         let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         let mut group = c.benchmark_group(format!("prefill_{name}"));

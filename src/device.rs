@@ -110,6 +110,40 @@ pub fn default_attention_kernel() -> Result<crate::model::AttentionKernel> {
     }
 }
 
+/// The model presets a benchmark runs at: `TROUPE_BENCH_PRESETS` (preset names separated by
+/// commas, e.g. `small,qwen3-0.6b`) if set, else `default`.
+pub fn bench_presets(default: &[crate::model::Preset]) -> Result<Vec<crate::model::Preset>> {
+    match std::env::var("TROUPE_BENCH_PRESETS") {
+        Ok(names) if !names.trim().is_empty() => parse_presets(&names),
+        _ => Ok(default.to_vec()),
+    }
+}
+
+/// Preset names separated by commas (`small, qwen3-0.6b`), in order; an unknown one is an error
+/// naming `TROUPE_BENCH_PRESETS` and the known names.
+pub fn parse_presets(names: &str) -> Result<Vec<crate::model::Preset>> {
+    names
+        .split(',')
+        .map(|name| {
+            <crate::model::Preset as clap::ValueEnum>::from_str(name.trim(), true).map_err(|_| {
+                let known: Vec<String> = <crate::model::Preset as clap::ValueEnum>::value_variants()
+                    .iter()
+                    .map(|p| preset_name(*p))
+                    .collect();
+                TroupeError::invalid(
+                    "TROUPE_BENCH_PRESETS",
+                    format!("unknown preset {:?} (known: {})", name.trim(), known.join(", ")),
+                )
+            })
+        })
+        .collect()
+}
+
+/// A preset's name as `--preset` and `TROUPE_BENCH_PRESETS` write it (`small`, `qwen3-0.6b`).
+pub fn preset_name(preset: crate::model::Preset) -> String {
+    clap::ValueEnum::to_possible_value(&preset).map_or_else(|| format!("{preset:?}"), |v| v.get_name().to_string())
+}
+
 /// Keeps tensor buffers in the process heap and the heap at its high-water mark, so the
 /// allocator reuses them across forward passes rather than page-faulting hundreds of MB of
 /// fresh, zeroed memory on every pass. glibc otherwise maps blocks over its mmap threshold
@@ -126,5 +160,23 @@ pub fn tune_allocator() {
     unsafe {
         libc::mallopt(libc::M_MMAP_MAX, 0);
         libc::mallopt(libc::M_TRIM_THRESHOLD, -1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Preset;
+
+    #[test]
+    fn bench_presets_read_by_their_cli_names() {
+        assert_eq!(parse_presets("small, qwen3-0.6b").unwrap(), vec![Preset::Small, Preset::Qwen3_0_6b]);
+        assert_eq!(parse_presets("qwen3-4b").unwrap(), vec![Preset::Qwen3_4b]);
+        let err = parse_presets("small,qwen3-7b").unwrap_err().to_string();
+        assert!(err.contains("TROUPE_BENCH_PRESETS") && err.contains("\"qwen3-7b\""), "{err}");
+        assert!(err.contains("tiny, small, qwen3-0.6b, qwen3-1.7b, qwen3-4b"), "{err}");
+        for preset in [Preset::Tiny, Preset::Small, Preset::Qwen3_0_6b, Preset::Qwen3_1_7b, Preset::Qwen3_4b] {
+            assert_eq!(parse_presets(&preset_name(preset)).unwrap(), vec![preset]);
+        }
     }
 }

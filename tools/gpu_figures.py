@@ -12,13 +12,14 @@ On a machine without cargo, build the benchmark executables elsewhere
 copy them into one folder as `model` and `adapters`, and pass `--benches FOLDER`.
 
 Runs, in this order, each part `--reps` times alternating troupe and its peer:
-- kernels (the `small` preset): troupe's criterion benchmarks `model` (prefill / decode, batch 1
-  and 16) and `adapters` (LoRA step, mixed-adapter forward), read by `criterion_fastest.py`, and
-  `peer_bench.py` on the same model directory. `model` runs twice, with each attention kernel
+- kernels (`--kernel-presets`, default `small,qwen3-0.6b`): troupe's criterion benchmarks `model`
+  (prefill / decode, batch 1 and 16) and `adapters` (LoRA step, mixed-adapter forward) at each
+  preset (`TROUPE_BENCH_PRESETS`), read by `criterion_fastest.py`, and `peer_bench.py` on the
+  same model directory. `model` runs twice, with each attention kernel
   (`TROUPE_ATTENTION`, `runtime.attention`): `materialized` (what `auto` runs today; its figures
   are the ones compared with PyTorch) and `flash` (`attention_flash`, with the ratios
   `attention_flash_over_materialized`, above 1 when flash is faster);
-- a whole iteration (`--preset`, default qwen3-0.6b): `troupe train` on `writing_tldr` with the
+- a whole iteration (`--preset`, default qwen3-0.6b; several separated by commas): `troupe train` on `writing_tldr` with the
   length reward, 2 agents x `--groups` x `--group-size` replies of `--new-tokens` tokens, and
   TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
   seconds per iteration / step after the first, and each side's peak memory;
@@ -42,6 +43,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -149,21 +151,30 @@ def tokens_per_second(criterion_dir, names):
     out = {}
     for bench, key in names.items():
         fastest_ns, _mean = criterion_fastest.fastest_and_mean_ns(criterion_dir, bench)
-        out[key] = criterion_fastest.TOKENS[bench] / fastest_ns * 1e9
+        # The tokens a pass handles: the throughput the benchmark declared to criterion.
+        tokens = criterion_fastest.load(criterion_dir, bench, "benchmark.json")["throughput"]["Elements"]
+        out[key] = tokens / fastest_ns * 1e9
     return out
 
 
-def troupe_kernels(args, criterion_dir):
-    """Runs troupe's kernel benchmarks; tokens/s (criterion's fastest sample, the estimator the
-    peer reports) and the mixed batch's K=8 / K=1 time. The prefill / decode benchmarks run with
-    each attention kernel, materialized first: criterion keeps a benchmark's latest run only, so
-    each run is read before the next."""
+def troupe_kernels(args, criterion_dir, preset):
+    """Runs troupe's kernel benchmarks at `preset` (`TROUPE_BENCH_PRESETS`); tokens/s (criterion's
+    fastest sample, the estimator the peer reports) and the mixed batch's K=8 / K=1 time. The
+    prefill / decode benchmarks run with each attention kernel, materialized first: criterion keeps
+    a benchmark's latest run only, so each run is read before the next."""
     features = ["--features", "cuda"] if args.device.startswith("cuda") else []
-    quick = ["--warm-up-time", "1", "--measurement-time", "1"] if args.quick else []
+    if args.quick:
+        timing = ["--warm-up-time", "1", "--measurement-time", "1"]
+    elif args.bench_seconds:
+        timing = ["--warm-up-time", "1", "--measurement-time", str(args.bench_seconds)]
+    else:
+        timing = []
     env = {"TROUPE_DEVICE": args.device, "TROUPE_DTYPE": args.dtype, "CARGO_TARGET_DIR": args.target_dir,
-           "TROUPE_ATTENTION": "materialized"}
-    model = {"prefill_small/b1x128": "prefill_tok_s_b1", "prefill_small/b16x128": "prefill_tok_s_b16",
-             "decode_small/b1": "decode_tok_s_b1", "decode_small/b16": "decode_tok_s_b16"}
+           "TROUPE_ATTENTION": "materialized", "TROUPE_BENCH_PRESETS": preset}
+    # benches/adapters.rs names the small preset's groups without a suffix.
+    suffix = "" if preset == "small" else f"_{preset}"
+    model = {f"prefill_{preset}/b1x128": "prefill_tok_s_b1", f"prefill_{preset}/b16x128": "prefill_tok_s_b16",
+             f"decode_{preset}/b1": "decode_tok_s_b1", f"decode_{preset}/b16": "decode_tok_s_b16"}
     out = {}
 
     def bench(name):
@@ -173,16 +184,17 @@ def troupe_kernels(args, criterion_dir):
         return ["cargo", "bench", *features, "--bench", name, "--"]
 
     for kernel in ("materialized", "flash"):
-        run([*bench("model"), "small", *quick], {**env, "TROUPE_ATTENTION": kernel})
+        run([*bench("model"), f"^(prefill|decode)_{re.escape(preset)}/", *timing], {**env, "TROUPE_ATTENTION": kernel})
         figures = tokens_per_second(criterion_dir, model)
         if kernel == "materialized":
             out.update(figures)
         else:
             out["attention_flash"] = figures
             out["attention_flash_over_materialized"] = {key: figures[key] / out[key] for key in figures}
-    run([*bench("adapters"), "lora_train_step|mixed32x64_forward/one_pass", *quick], env)
-    out.update(tokens_per_second(criterion_dir, {"lora_train_step/b8x128": "lora_train_tok_s_b8x128"}))
-    k1, k8 = (criterion_fastest.load(criterion_dir, f"mixed32x64_forward/one_pass/K{k}", "estimates.json")
+    lora, mixed = f"lora_train_step{suffix}", f"mixed32x64_forward{suffix}"
+    run([*bench("adapters"), f"^({re.escape(lora)}/|{re.escape(mixed)}/one_pass/)", *timing], env)
+    out.update(tokens_per_second(criterion_dir, {f"{lora}/b8x128": "lora_train_tok_s_b8x128"}))
+    k1, k8 = (criterion_fastest.load(criterion_dir, f"{mixed}/one_pass/K{k}", "estimates.json")
               ["mean"]["point_estimate"] for k in (1, 8))
     out["mixed32_K8_rel"] = k8 / k1
     return out
@@ -240,7 +252,12 @@ def main():
     p.add_argument("--benches", help="a folder holding the benchmark executables `model` and `adapters`, built "
                    "beforehand (`cargo bench --no-run [--features cuda] --bench model --bench adapters` prints "
                    "their paths), for a machine without cargo; default: `cargo bench` builds and runs them")
-    p.add_argument("--preset", default="qwen3-0.6b", help="the model of the whole-iteration comparison")
+    p.add_argument("--preset", default="qwen3-0.6b",
+                   help="the models of the whole-iteration comparison, separated by commas (qwen3-0.6b,qwen3-1.7b)")
+    p.add_argument("--kernel-presets", default="small,qwen3-0.6b",
+                   help="the models of the kernel table, separated by commas")
+    p.add_argument("--bench-seconds", type=float,
+                   help="criterion's measurement time per benchmark (warm-up 1 s); default: criterion's own")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--groups", type=int, default=4)
@@ -256,6 +273,7 @@ def main():
     args = p.parse_args()
     if args.quick:
         args.preset, args.reps, args.iterations, args.memory_preset = "tiny", 1, 2, "tiny"
+        args.kernel_presets = "tiny"
         args.groups, args.group_size, args.new_tokens = 1, 2, 8
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "f32"
@@ -270,42 +288,53 @@ def main():
                                                           "group_size", "new_tokens", "threads",
                                                           "memory_preset", "memory_iterations")}}
     with tempfile.TemporaryDirectory(prefix="troupe-figures-") as work:
-        if not args.skip_kernels:
-            small = os.path.join(work, "small")
-            run([args.troupe, "init-model", "--out", small, "--preset", "small"], log=subprocess.DEVNULL)
+        made = set()
+
+        def model_dir_of(preset):
+            path = os.path.join(work, preset)
+            if preset not in made:
+                run([args.troupe, "init-model", "--out", path, "--preset", preset], log=subprocess.DEVNULL)
+                made.add(preset)
+            return path
+
+        for preset in [] if args.skip_kernels else args.kernel_presets.split(","):
+            directory = model_dir_of(preset)
             criterion_dir = os.path.join(args.target_dir, "criterion")
             kernels = {"troupe": [], "pytorch": [], "ratio": []}
             for _ in range(args.reps):
-                ours = troupe_kernels(args, criterion_dir)
-                peer = last_json(run([args.python, "tools/peer_bench.py", small, "--device", args.device, "--dtype", args.dtype,
-                                      "--threads", str(args.threads)], log=subprocess.DEVNULL), "peer_bench.py")
+                ours = troupe_kernels(args, criterion_dir, preset)
+                peer = last_json(run([args.python, "tools/peer_bench.py", directory, "--device", args.device,
+                                      "--dtype", args.dtype, "--threads", str(args.threads)], log=subprocess.DEVNULL),
+                                 "peer_bench.py")
                 kernels["troupe"].append(ours)
                 kernels["pytorch"].append(peer)
                 kernels["ratio"].append(ratios(ours, peer, {"prefill_tok_s_b1": True, "prefill_tok_s_b16": True,
                                                             "decode_tok_s_b1": True, "decode_tok_s_b16": True,
                                                             "lora_train_tok_s_b8x128": True}))
-            result["kernels_small"] = kernels
-        model_dir = os.path.join(work, args.preset)
-        run([args.troupe, "init-model", "--out", model_dir, "--preset", args.preset], log=subprocess.DEVNULL)
-        iteration = {"troupe": [], "trl": [], "trl_s_per_step_over_troupe_s_per_iteration": []}
-        for rep in range(args.reps):
-            ours = troupe_iteration(args, model_dir, work, rep)
-            peer = trl_iteration(args, model_dir)
-            iteration["troupe"].append(ours)
-            iteration["trl"].append(peer)
-            iteration["trl_s_per_step_over_troupe_s_per_iteration"].append(peer["s_per_step"] / ours["s_per_iteration"])
-        gemm = gemm_tflops(args)
-        result["gemm"] = gemm
-        iteration["update_flop_fraction_of_gemm"] = [
-            [rate / (gemm["tflops"] * 1e3) if rate else None for rate in ours["update_gflop_per_s"]]
-            for ours in iteration["troupe"]]
-        result[f"iteration_{args.preset}"] = iteration
+            result[f"kernels_{preset}"] = kernels
+            write(args.out, result)
+        gemm = None
+        for preset in args.preset.split(","):
+            model_dir = model_dir_of(preset)
+            iteration = {"troupe": [], "trl": [], "trl_s_per_step_over_troupe_s_per_iteration": []}
+            for rep in range(args.reps):
+                ours = troupe_iteration(args, model_dir, work, f"{preset}-{rep}")
+                peer = trl_iteration(args, model_dir)
+                iteration["troupe"].append(ours)
+                iteration["trl"].append(peer)
+                iteration["trl_s_per_step_over_troupe_s_per_iteration"].append(
+                    peer["s_per_step"] / ours["s_per_iteration"])
+            if gemm is None:
+                gemm = result["gemm"] = gemm_tflops(args)
+            iteration["update_flop_fraction_of_gemm"] = [
+                [rate / (gemm["tflops"] * 1e3) if rate else None for rate in ours["update_gflop_per_s"]]
+                for ours in iteration["troupe"]]
+            result[f"iteration_{preset}"] = iteration
+            write(args.out, result)
         if not args.skip_memory:
             # Two agents, LoRA r16 on q,k,v,o: the memory goal's set-up, the iteration's shape.
             memory_dir = os.path.join(work, args.memory_preset)
-            if memory_dir != model_dir:
-                run([args.troupe, "init-model", "--out", memory_dir, "--preset", args.memory_preset],
-                    log=subprocess.DEVNULL)
+            model_dir_of(args.memory_preset)
             lora = {"adapter.r": 16, "adapter.lora_alpha": 32.0,
                     "adapter.target_modules": "[q_proj, k_proj, v_proj, o_proj]",
                     "run.iterations": args.memory_iterations}
@@ -315,12 +344,17 @@ def main():
                                         {**lora, "runtime.gradient_checkpointing": str(checkpointing).lower()})
                 memory["gradient_checkpointing" if checkpointing else "plain"] = ours
             result[f"memory_{args.memory_preset}"] = memory
-    tmp = args.out + ".tmp"
+    write(args.out, result)
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+def write(path, result):
+    """Writes the figures so far, atomically: a run cut short keeps every part it finished."""
+    tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
-    os.replace(tmp, args.out)
-    print(f"wrote {args.out}", file=sys.stderr)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
