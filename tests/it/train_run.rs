@@ -49,6 +49,11 @@ fn finish(run: &mut TrainingRun) {
     }
 }
 
+/// Trains a fresh run to its last iteration, then closes it (its lock released).
+fn train_to_end(config: TrainConfig) {
+    finish(&mut start(config));
+}
+
 /// Every file of a checkpoint's adapters directory, by relative path.
 fn adapter_files(checkpoint: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let root = checkpoint.join("adapters");
@@ -88,14 +93,10 @@ fn metrics(run_dir: &Path) -> Vec<IterationMetrics> {
 fn four_iterations_straight_equal_two_plus_resume_plus_two() {
     let tmp = tempfile::tempdir().unwrap();
     let straight = tmp.path().join("straight");
-    let mut run = start(config(&straight, 4, 2, &[]));
-    finish(&mut run);
-    drop(run);
+    train_to_end(config(&straight, 4, 2, &[]));
 
     let split = tmp.path().join("split");
-    let mut first = start(config(&split, 2, 2, &[]));
-    finish(&mut first);
-    drop(first);
+    train_to_end(config(&split, 2, 2, &[]));
     let mut second = resume(&split, &["run.iterations=4"]);
     assert_eq!(second.iteration(), 2);
     finish(&mut second);
@@ -116,9 +117,7 @@ fn four_iterations_straight_equal_two_plus_resume_plus_two() {
 fn a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint_usable() {
     let tmp = tempfile::tempdir().unwrap();
     let straight = tmp.path().join("straight");
-    let mut run = start(config(&straight, 3, 1, &[]));
-    finish(&mut run);
-    drop(run);
+    train_to_end(config(&straight, 3, 1, &[]));
 
     let killed = tmp.path().join("killed");
     let mut run = start(config(&killed, 3, 1, &[]));
@@ -196,9 +195,7 @@ fn a_directory_holding_a_run_is_not_overwritten_and_resume_keeps_the_experiment(
 fn a_run_starts_from_an_earlier_runs_adapters_and_refuses_ones_of_another_shape() {
     let tmp = tempfile::tempdir().unwrap();
     let first = tmp.path().join("first");
-    let mut run = start(config(&first, 2, 2, &[]));
-    finish(&mut run);
-    drop(run);
+    train_to_end(config(&first, 2, 2, &[]));
     let trained = adapter_files(&checkpoint_dir(&first, 2));
     assert!(trained != adapter_files(&checkpoint_dir(&first, 0)), "the first run trained");
 
