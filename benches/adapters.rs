@@ -1,7 +1,8 @@
 //! Mixed-adapter batches on the `small` preset (or `TROUPE_BENCH_PRESETS`): 32 rows x 64 tokens
-//! spread over K = 1, 2, 4, 8 LoRA adapters (rank 8 on q,k,v,o) in ONE pass, against running each adapter's rows as its own
-//! pass; for scoring (forward) and for training (forward + backward). The same workload as
-//! `peer_bench.py`'s `mixed32_K*` (PEFT's per-row `adapter_names`, inference only).
+//! spread over K = 1, 2, 4, 8 LoRA adapters (rank 8 on q,k,v,o) in ONE pass, against running
+//! each adapter's rows as its own pass; for scoring (forward) and for training (forward +
+//! backward). The same workload as `peer_bench.py`'s `mixed32_K*` (PEFT's per-row
+//! `adapter_names`, inference only).
 //!
 //! `cargo bench --bench adapters` (`TROUPE_DEVICE=cuda` and `--features cuda` on a GPU;
 //! `TROUPE_DTYPE=f32|bf16|f16` sets the base's precision, default `auto`: bf16 on CUDA;
