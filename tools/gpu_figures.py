@@ -140,8 +140,12 @@ def machine(device, python):
                                "transformers.__version__, peft.__version__, trl.__version__)"],
                               stdout=subprocess.PIPE, text=True)
     info["peers"] = dict(zip(["torch", "transformers", "peft", "trl"], versions.stdout.split()))
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    info["troupe_commit"] = rev.stdout.strip() or None
+    try:  # a copied tree (a GPU machine's) may have no .git, and the machine no git
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+        info["troupe_commit"] = rev.stdout.strip() or None
+    except OSError:
+        info["troupe_commit"] = None
     return info
 
 
