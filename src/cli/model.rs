@@ -30,18 +30,12 @@ pub struct InitModelArgs {
     pub seed: u64,
 }
 
-/// `troupe logprobs`: log p(token i+1 | tokens ..= i) for a text.
+/// The base model of `logprobs` and `generate`, and how it runs.
 #[derive(Debug, Args)]
-pub struct LogprobsArgs {
+pub struct BaseArgs {
     /// A Hugging Face model directory or a GGUF file (default: the built-in tiny model).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// A LoRA adapter: DIR:NAME (one adapter of a directory of adapters) or an adapter's DIR.
-    #[arg(long)]
-    pub adapter: Option<String>,
-    /// The text, encoded without added special tokens.
-    #[arg(long)]
-    pub text: String,
     /// Keep the base's matrices quantized (a GGUF file's own block types; Q8_0 for a float
     /// checkpoint) and multiply with them directly: a several times smaller base (CPU only).
     #[arg(long)]
@@ -55,12 +49,44 @@ pub struct LogprobsArgs {
     pub attention: AttentionKernel,
 }
 
+impl BaseArgs {
+    /// Loads the base on `device` with the attention kernel chosen.
+    fn load(&self, device: &burn::tensor::Device) -> Result<Model> {
+        let options = LoadOptions {
+            path: self.model.clone(),
+            quantized: self.quantized,
+            dtype: self.dtype,
+            ..LoadOptions::default()
+        };
+        let mut model = Model::load(&options, device).with_context(|| match &self.model {
+            Some(path) => format!("loading model {}", path.display()),
+            None => "building the built-in model".to_string(),
+        })?;
+        model.lm.set_attention_kernel(self.attention);
+        Ok(model)
+    }
+}
+
+/// `troupe logprobs`: log p(token i+1 | tokens ..= i) for a text.
+#[derive(Debug, Args)]
+pub struct LogprobsArgs {
+    /// The base model and how it runs.
+    #[command(flatten)]
+    pub base: BaseArgs,
+    /// A LoRA adapter: DIR:NAME (one adapter of a directory of adapters) or an adapter's DIR.
+    #[arg(long)]
+    pub adapter: Option<String>,
+    /// The text, encoded without added special tokens.
+    #[arg(long)]
+    pub text: String,
+}
+
 /// `troupe generate`: continue a prompt.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// A Hugging Face model directory or a GGUF file (default: the built-in tiny model).
-    #[arg(long)]
-    pub model: Option<PathBuf>,
+    /// The base model and how it runs.
+    #[command(flatten)]
+    pub base: BaseArgs,
     /// A LoRA adapter: DIR:NAME (one adapter of a directory of adapters) or an adapter's DIR.
     #[arg(long)]
     pub adapter: Option<String>,
@@ -85,17 +111,6 @@ pub struct GenerateArgs {
     /// Sampler seed: the same seed gives the same text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Keep the base's matrices quantized (a GGUF file's own block types; Q8_0 for a float
-    /// checkpoint) and multiply with them directly: a several times smaller base (CPU only).
-    #[arg(long)]
-    pub quantized: bool,
-    /// Precision of the base's matrices: auto (bf16 on CUDA, f32 on the CPU), bf16, f16, f32.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub dtype: Precision,
-    /// Attention kernel on a GPU (`runtime.attention`): auto, flash, materialized. The CPU runs
-    /// its own fused attention whatever this says.
-    #[arg(long, value_enum, default_value = "auto")]
-    pub attention: AttentionKernel,
 }
 
 /// `troupe model` subcommands.
@@ -133,35 +148,9 @@ pub fn init_model(args: InitModelArgs) -> Result<()> {
     Ok(())
 }
 
-/// How `logprobs` and `generate` load and run the base: `--model`, `--quantized`, `--dtype`,
-/// `--attention`.
-struct BaseChoice<'a> {
-    model: Option<&'a std::path::Path>,
-    quantized: bool,
-    dtype: Precision,
-    attention: AttentionKernel,
-}
-
-fn load(base: BaseChoice<'_>, device: &burn::tensor::Device) -> Result<Model> {
-    let path = base.model.map(std::path::Path::to_path_buf);
-    let options = LoadOptions { path, quantized: base.quantized, dtype: base.dtype, ..LoadOptions::default() };
-    let mut model = Model::load(&options, device).with_context(|| match base.model {
-        Some(path) => format!("loading model {}", path.display()),
-        None => "building the built-in model".to_string(),
-    })?;
-    model.lm.set_attention_kernel(base.attention);
-    Ok(model)
-}
-
 /// Runs `troupe logprobs`.
 pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()> {
-    let base = BaseChoice {
-        model: args.model.as_deref(),
-        quantized: args.quantized,
-        dtype: args.dtype,
-        attention: args.attention,
-    };
-    let model = load(base, device)?;
+    let model = args.base.load(device)?;
     let input_ids = model.tokenizer.encode(&args.text)?;
     // Before the model runs: attention's memory grows with the square of the token count.
     let context = model.lm.config.max_position_embeddings;
@@ -179,7 +168,7 @@ pub fn logprobs(args: LogprobsArgs, device: &burn::tensor::Device) -> Result<()>
         Vec::new()
     };
     if let Some(position) = logprobs.iter().position(|value| !value.is_finite()) {
-        let source = match (&args.model, &args.adapter) {
+        let source = match (&args.base.model, &args.adapter) {
             (Some(dir), Some(adapter)) => format!("model {} with adapter {adapter}", dir.display()),
             (Some(dir), None) => format!("model {}", dir.display()),
             (None, Some(adapter)) => format!("the built-in model with adapter {adapter}"),
@@ -204,13 +193,7 @@ pub fn generate_text(args: GenerateArgs, device: &burn::tensor::Device) -> Resul
     if !(args.top_p > 0.0 && args.top_p <= 1.0) {
         anyhow::bail!("--top-p must be in (0, 1], got {}", args.top_p);
     }
-    let base = BaseChoice {
-        model: args.model.as_deref(),
-        quantized: args.quantized,
-        dtype: args.dtype,
-        attention: args.attention,
-    };
-    let model = load(base, device)?;
+    let model = args.base.load(device)?;
     let prompt = if args.chat {
         model
             .tokenizer
