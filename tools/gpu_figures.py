@@ -20,8 +20,8 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   are the ones compared with PyTorch) and `flash` (`attention_flash`, with the ratios
   `attention_flash_over_materialized`, above 1 when flash is faster);
 - a whole iteration (`--preset`, default qwen3-0.6b; several separated by commas): `troupe train`
-  on `writing_tldr` with the length reward, 2 agents x `--groups` x `--group-size` replies of `--new-tokens` tokens, and
-  TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
+  on `writing_tldr` with the length reward, 2 agents x `--groups` x `--group-size` replies of
+  `--new-tokens` tokens, and TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
   seconds per iteration / step after the first, and each side's peak memory;
 - the update's FLOP rate (troupe's `gflop_per_second_update`, per iteration) as a fraction of the
   device's dense GEMM rate in the same dtype, measured by the peer's Python (torch.matmul);
