@@ -17,14 +17,15 @@ import json
 import os
 import sys
 
-# benchmark id -> tokens per iteration (the same workloads as peer_bench.py)
-TOKENS = {
-    "prefill_small/b1x128": 128,
-    "prefill_small/b16x128": 16 * 128,
-    "decode_small/b1": 64,
-    "decode_small/b16": 16 * 64,
-    "lora_train_step/b8x128": 8 * 128,
-}
+# The benchmarks peer_bench.py also measures; the tokens a pass handles are the throughput each
+# declares to criterion.
+BENCHES = [
+    "prefill_small/b1x128",
+    "prefill_small/b16x128",
+    "decode_small/b1",
+    "decode_small/b16",
+    "lora_train_step/b8x128",
+]
 
 
 def load(root, bench, name):
@@ -39,14 +40,20 @@ def fastest_and_mean_ns(root, bench):
     return fastest, load(root, bench, "estimates.json")["mean"]["point_estimate"]
 
 
+def tokens_per_pass(root, bench):
+    """The elements (tokens) one iteration handles, as the benchmark declared them to criterion."""
+    return load(root, bench, "benchmark.json")["throughput"]["Elements"]
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "target/criterion"
     if not os.path.isdir(root):
         sys.exit(f"error: {root}: no criterion results (run the benches first)")
-    for bench, tokens in TOKENS.items():
+    for bench in BENCHES:
         if not os.path.exists(os.path.join(root, bench, "new", "sample.json")):
             print(f"{bench:26s} not run")
             continue
+        tokens = tokens_per_pass(root, bench)
         fastest_ns, mean_ns = fastest_and_mean_ns(root, bench)
         print(f"{bench:26s} fastest {tokens / fastest_ns * 1e9:8.1f} tok/s"
               f"   mean {tokens / mean_ns * 1e9:8.1f} tok/s")

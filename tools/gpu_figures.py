@@ -156,7 +156,7 @@ def tokens_per_second(criterion_dir, names):
     for bench, key in names.items():
         fastest_ns, _mean = criterion_fastest.fastest_and_mean_ns(criterion_dir, bench)
         # The tokens a pass handles: the throughput the benchmark declared to criterion.
-        tokens = criterion_fastest.load(criterion_dir, bench, "benchmark.json")["throughput"]["Elements"]
+        tokens = criterion_fastest.tokens_per_pass(criterion_dir, bench)
         out[key] = tokens / fastest_ns * 1e9
     return out
 

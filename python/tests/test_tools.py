@@ -1,0 +1,41 @@
+"""The benchmark readers in tools/: tokens per second come from what each criterion benchmark
+declared (its throughput) and the time criterion saved, on a criterion tree written here."""
+
+import json
+import os
+import subprocess
+import sys
+
+TOOLS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools")
+sys.path.insert(0, TOOLS)
+
+import criterion_fastest  # noqa: E402
+import gpu_figures  # noqa: E402
+
+
+def write_bench(root, bench, tokens, times_ns, iters, mean_ns):
+    new = os.path.join(root, bench, "new")
+    os.makedirs(new)
+    with open(os.path.join(new, "benchmark.json"), "w") as f:
+        json.dump({"throughput": {"Elements": tokens}}, f)
+    with open(os.path.join(new, "sample.json"), "w") as f:
+        json.dump({"times": times_ns, "iters": iters}, f)
+    with open(os.path.join(new, "estimates.json"), "w") as f:
+        json.dump({"mean": {"point_estimate": mean_ns}}, f)
+
+
+def test_tokens_per_second_reads_the_declared_throughput(tmp_path):
+    # 2048 tokens a pass; fastest sample 4e6 ns over 2 iterations = 2e6 ns a pass -> 1.024e6 tok/s.
+    write_bench(tmp_path, "prefill_qwen3-0.6b/b16x128", 2048, [9e6, 4e6], [3, 2], 2.5e6)
+    got = gpu_figures.tokens_per_second(str(tmp_path), {"prefill_qwen3-0.6b/b16x128": "prefill_b16"})
+    assert abs(got["prefill_b16"] - 2048 / 2e6 * 1e9) < 1e-6
+
+
+def test_criterion_fastest_prints_fastest_and_mean(tmp_path):
+    write_bench(tmp_path, "decode_small/b1", 64, [1e6, 3e6], [1, 2], 1.25e6)
+    out = subprocess.run([sys.executable, os.path.join(TOOLS, "criterion_fastest.py"), str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
+    line = next(l for l in out.splitlines() if l.startswith("decode_small/b1 "))
+    # fastest 1e6 ns a pass: 64000 tok/s; mean 1.25e6 ns: 51200 tok/s.
+    assert "fastest  64000.0 tok/s" in line and "mean  51200.0 tok/s" in line, line
+    assert "prefill_small/b1x128" in out and "not run" in out
