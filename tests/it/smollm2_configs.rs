@@ -1,8 +1,9 @@
-//! The SmolLM2 game configs (`configs/hanabi_smollm2.yaml`, `configs/hanabi_very_small_smollm2.yaml`
-//! and its self-play part 2, `configs/hanabi_very_small_smollm2_selfplay.yaml`) load as shipped, on
-//! the CPU and for `--device cuda`, and one iteration of each trains and evaluates with the tiny
-//! Llama GGUF fixture standing in for SmolLM2 (same family, a chat template in its metadata; no
-//! download), part 2 starting from part 1's agents.
+//! The SmolLM2 game configs (`configs/hanabi_smollm2.yaml`, `configs/hanabi_very_small_smollm2.yaml`,
+//! its self-play part 2, `configs/hanabi_very_small_smollm2_selfplay.yaml`, and part 3 on full
+//! Hanabi, `configs/hanabi_smollm2_part3.yaml`) load as shipped, on the CPU and for
+//! `--device cuda`, and one iteration of each trains and evaluates with the tiny Llama GGUF
+//! fixture standing in for SmolLM2 (same family, a chat template in its metadata; no download),
+//! part 2 starting from part 1's agents and part 3 from part 2's.
 
 use crate::common;
 
@@ -12,10 +13,11 @@ use troupe::rl::config::TrainConfig;
 use troupe::rl::run::TrainingRun;
 use troupe_envs::Registry;
 
-const CONFIGS: [&str; 3] = [
+const CONFIGS: [&str; 4] = [
     "configs/hanabi_smollm2.yaml",
     "configs/hanabi_very_small_smollm2.yaml",
     "configs/hanabi_very_small_smollm2_selfplay.yaml",
+    "configs/hanabi_smollm2_part3.yaml",
 ];
 
 fn root() -> &'static Path {
@@ -36,6 +38,12 @@ fn the_configs_load_for_the_cpu_and_for_cuda() {
             let part_one = TrainConfig::from_yaml_file(&root().join(CONFIGS[1]), &[], &registry).unwrap();
             assert_eq!(config.agents.init_adapters.as_ref(), Some(&part_one.run.out_dir), "part 2 reads part 1's run");
             assert!(config.training.partners.is_empty(), "part 2 is self-play");
+        }
+        if name.ends_with("_part3.yaml") {
+            let part_two = TrainConfig::from_yaml_file(&root().join(CONFIGS[2]), &[], &registry).unwrap();
+            assert_eq!(config.agents.init_adapters.as_ref(), Some(&part_two.run.out_dir), "part 3 reads part 2's run");
+            assert!(config.training.partners.is_empty(), "part 3 is self-play");
+            assert_eq!(config.env.params["variant"], "full", "part 3 plays the full game");
         }
         // For `--device cuda` the config is valid as it stands: a build without the `cuda`
         // feature refuses the device and nothing else.
@@ -70,7 +78,7 @@ fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
         ]
         .to_vec();
         let mut overrides = overrides;
-        if name.ends_with("hanabi_smollm2.yaml") {
+        if name.ends_with("hanabi_smollm2.yaml") || name.ends_with("_part3.yaml") {
             // Full Hanabi's longer observation: hands of 3 keep it within the fixture's positions.
             overrides.push("env.hand_size=3".to_string());
         }
@@ -78,6 +86,11 @@ fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
             // Part 2 goes on from part 1's agents (run just before it in this loop).
             let part_one = dir.path().join("hanabi_very_small_smollm2");
             overrides.push(format!("agents.init_adapters={}", part_one.display()));
+        }
+        if name.ends_with("_part3.yaml") {
+            // Part 3 goes on from part 2's agents, on the full game.
+            let part_two = dir.path().join("hanabi_very_small_smollm2_selfplay");
+            overrides.push(format!("agents.init_adapters={}", part_two.display()));
         }
         let path = root().join(name);
         let config = TrainConfig::from_yaml_file(&path, &overrides, &registry).unwrap();
