@@ -21,9 +21,8 @@ fn manager_for(model: &Model, dir: &Path) -> MultiAdapterManager {
 
 #[test]
 fn fixture_adapters_match_peft_alone_and_mixed() {
-    let device = common::test_device();
     for dir in fixture_models() {
-        let model = Model::from_path(&dir, &device).unwrap();
+        let model = common::load_f32(&dir);
         let manager = manager_for(&model, &dir);
         assert_eq!(manager.adapter_name(0).unwrap(), "agent_0");
         assert_eq!(manager.adapter_name(1).unwrap(), "agent_1");
@@ -74,7 +73,7 @@ fn fixture_adapters_match_peft_alone_and_mixed() {
 fn saving_loaded_adapters_gives_the_original_tensors_and_round_trips() {
     let device = common::test_device();
     let dir = models_dir().join("tiny-qwen3");
-    let model = Model::from_path(&dir, &device).unwrap();
+    let model = common::load_f32(&dir);
     let manager = manager_for(&model, &dir);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("saved");
@@ -120,7 +119,7 @@ fn saving_loaded_adapters_gives_the_original_tensors_and_round_trips() {
 fn a_fresh_adapter_leaves_the_base_output_unchanged() {
     let device = common::test_device();
     let dir = models_dir().join("tiny-qwen2");
-    let model = Model::from_path(&dir, &device).unwrap();
+    let model = common::load_f32(&dir);
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
     let config = AdapterConfig {
         target_modules: troupe::model::Projection::ALL.to_vec(),
@@ -160,8 +159,8 @@ fn load_error(model: &Model, dir: &Path) -> String {
 #[test]
 fn bad_adapters_are_refused_by_name() {
     let device = common::test_device();
-    let qwen3 = Model::from_path(&models_dir().join("tiny-qwen3"), &device).unwrap();
-    let llama = Model::from_path(&models_dir().join("tiny-llama"), &device).unwrap();
+    let qwen3 = common::load_f32(&models_dir().join("tiny-qwen3"));
+    let llama = common::load_f32(&models_dir().join("tiny-llama"));
     let tmp = tempfile::tempdir().unwrap();
 
     // Made for another base: qwen3's adapters on llama (q_proj is 64x128 there, 64x64 here).
@@ -201,7 +200,7 @@ fn bad_adapters_are_refused_by_name() {
 #[test]
 fn a_failed_save_leaves_no_partial_directory() {
     let device = common::test_device();
-    let model = Model::from_path(&models_dir().join("tiny-qwen3"), &device).unwrap();
+    let model = common::load_f32(&models_dir().join("tiny-qwen3"));
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
     manager.create_adapters(2, &AdapterConfig::default()).unwrap();
     let tmp = tempfile::tempdir().unwrap();
@@ -221,9 +220,8 @@ fn a_failed_save_leaves_no_partial_directory() {
 
 #[test]
 fn lora_dropout_applies_in_training_only() {
-    let device = common::test_device();
     let dir = models_dir().join("tiny-qwen3");
-    let model = Model::from_path(&dir, &device).unwrap();
+    let model = common::load_f32(&dir);
     let mut manager = manager_for(&model, &dir);
     let mut adapter = manager.adapter(0).unwrap().clone();
     adapter.config.lora_dropout = 0.5;

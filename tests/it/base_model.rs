@@ -5,13 +5,11 @@ use crate::common;
 
 use common::*;
 use troupe::generate::{generate, last_logits, score_rows, GenerateOptions, SamplingConfig};
-use troupe::model::Model;
 
 #[test]
 fn base_logprobs_top5_and_greedy_match_transformers() {
-    let device = common::test_device();
     for dir in fixture_models() {
-        let model = Model::from_path(&dir, &device).unwrap();
+        let model = common::load_f32(&dir);
         let expected = expected(&dir);
         for case in expected["base"].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();

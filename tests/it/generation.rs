@@ -15,8 +15,7 @@ fn prompts(model: &Model) -> Vec<Vec<u32>> {
 
 #[test]
 fn kv_cache_matches_full_recompute_on_a_ragged_batch() {
-    let device = common::test_device();
-    let model = Model::builtin(Preset::Tiny, 7, &device).unwrap();
+    let model = common::builtin_f32(Preset::Tiny, 7);
     let prompts = prompts(&model);
     assert!(prompts.iter().map(Vec::len).collect::<std::collections::HashSet<_>>().len() > 1, "lengths differ");
     for sampling in [SamplingConfig::greedy(), SamplingConfig { temperature: 0.9, top_k: 50, top_p: 0.95 }] {
@@ -42,8 +41,7 @@ fn kv_cache_matches_full_recompute_on_a_ragged_batch() {
 
 #[test]
 fn padded_scoring_equals_scoring_each_row_alone() {
-    let device = common::test_device();
-    let model = Model::builtin(Preset::Tiny, 1, &device).unwrap();
+    let model = common::builtin_f32(Preset::Tiny, 1);
     let prompts = prompts(&model);
     let batched = score_rows(&model.lm, &prompts, None).unwrap();
     for (prompt, row) in prompts.iter().zip(&batched) {
@@ -55,8 +53,7 @@ fn padded_scoring_equals_scoring_each_row_alone() {
 
 #[test]
 fn seed_fixes_sampled_text_and_stops_apply() {
-    let device = common::test_device();
-    let model = Model::builtin(Preset::Tiny, 0, &device).unwrap();
+    let model = common::builtin_f32(Preset::Tiny, 0);
     let prompts = prompts(&model);
     let sampled = |seed| {
         let options = GenerateOptions {
@@ -87,8 +84,7 @@ fn seed_fixes_sampled_text_and_stops_apply() {
 
 #[test]
 fn completion_scoring_equals_full_scoring_at_the_completion_positions() {
-    let device = common::test_device();
-    let model = Model::builtin(Preset::Tiny, 3, &device).unwrap();
+    let model = common::builtin_f32(Preset::Tiny, 3);
     let rows = prompts(&model);
     // Completions start at different places in rows of different lengths.
     let from: Vec<usize> = rows.iter().map(|r| r.len() / 2).collect();
@@ -117,7 +113,7 @@ fn completion_scoring_equals_full_scoring_at_the_completion_positions() {
 fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it_grows() {
     use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
     let device = common::test_device();
-    let model = Model::builtin(Preset::Tiny, 5, &device).unwrap();
+    let model = common::builtin_f32(Preset::Tiny, 5);
     let lm = &model.lm;
     let layers = lm.config.num_hidden_layers;
     let prompts = prompts(&model);
@@ -166,8 +162,7 @@ fn a_reserved_cache_written_in_place_gives_what_concatenation_gives_even_when_it
 #[test]
 fn generation_past_the_reserved_cache_room_matches_full_recompute() {
     // More new tokens than generation reserves room for up front (128): the cache grows mid-way.
-    let device = common::test_device();
-    let model = Model::builtin(Preset::Tiny, 9, &device).unwrap();
+    let model = common::builtin_f32(Preset::Tiny, 9);
     let prompts = prompts(&model)[..2].to_vec();
     let options = GenerateOptions {
         max_new_tokens: 140,
@@ -186,7 +181,7 @@ fn generation_past_the_reserved_cache_room_matches_full_recompute() {
 fn filling_a_cache_writes_what_a_forward_writes() {
     use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
     let device = common::test_device();
-    let model = Model::builtin(Preset::Tiny, 3, &device).unwrap();
+    let model = common::builtin_f32(Preset::Tiny, 3);
     let prompt = prompts(&model).remove(1);
     let layers = model.lm.config.num_hidden_layers;
     let (mut forward, mut filled) = (KvCache::new(layers), KvCache::new(layers));

@@ -105,9 +105,8 @@ fn check_against_transformers(model: &Model, expected: &serde_json::Value, toler
 
 #[test]
 fn tiny_gguf_models_match_transformers_gguf_loader() {
-    let device = common::test_device();
     for file in ["tiny-llama.gguf", "tiny-qwen2.gguf", "tiny-qwen3.gguf", "kquants-llama.gguf"] {
-        let model = Model::from_path(&gguf_dir().join(file), &device).unwrap();
+        let model = common::load_f32(&gguf_dir().join(file));
         check_against_transformers(&model, &expected_of(file), common::tolerance(1e-4));
     }
 }

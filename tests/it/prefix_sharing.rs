@@ -16,7 +16,7 @@ use troupe::model::{Model, ProjectionDelta};
 fn setup() -> (Model, MultiAdapterManager) {
     let device = common::test_device();
     let dir = common::models_dir().join("tiny-qwen3");
-    let model = Model::from_path(&dir, &device).unwrap();
+    let model = common::load_f32(&dir);
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
     manager.load_adapters(&dir.join("adapters")).unwrap();
     (model, manager)

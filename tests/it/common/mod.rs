@@ -146,6 +146,21 @@ pub fn test_device() -> burn::tensor::Device {
     }
 }
 
+/// A model directory or GGUF file on [`test_device`] in float32, whatever the device's `auto`
+/// precision (bf16 on CUDA): the tests that compare with transformers' float32 outputs check the
+/// f32 path on every device; the bf16 path has its own references (`mixed_precision.rs`).
+pub fn load_f32(path: &Path) -> troupe::model::Model {
+    use troupe::model::{LoadOptions, Model, Precision};
+    Model::load(&LoadOptions::path(path).dtype(Precision::F32), &test_device())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The built-in model of `preset` from `seed` on [`test_device`] in float32 (see [`load_f32`]).
+pub fn builtin_f32(preset: troupe::model::Preset, seed: u64) -> troupe::model::Model {
+    use troupe::model::{LoadOptions, Model, Precision};
+    Model::load(&LoadOptions::builtin(preset, seed).dtype(Precision::F32), &test_device()).unwrap()
+}
+
 /// A numeric tolerance: `cpu` on the CPU, where every matrix product is float32. burn's CUDA
 /// backend multiplies float32 matrices on the tensor cores in TF32 (a 10-bit mantissa, as
 /// PyTorch does with `allow_tf32`), so there the tolerance is at least 2e-2.
