@@ -188,6 +188,8 @@ def troupe_kernels(args, criterion_dir, preset):
         return ["cargo", "bench", *features, "--bench", name, "--"]
 
     for kernel in ("materialized", "flash"):
+        if kernel not in args.attention_kernels.split(","):
+            continue
         run([*bench("model"), f"^(prefill|decode)_{re.escape(preset)}/", *timing], {**env, "TROUPE_ATTENTION": kernel})
         figures = tokens_per_second(criterion_dir, model)
         if kernel == "materialized":
@@ -270,6 +272,9 @@ def main():
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="the peers' CPU threads")
     p.add_argument("--memory-preset", default="qwen3-4b", help="the model of the memory run")
     p.add_argument("--memory-iterations", type=int, default=2)
+    p.add_argument("--attention-kernels", default="materialized,flash",
+                   help="the attention kernels the prefill / decode benchmarks run with: materialized (compared "
+                        "with PyTorch), flash (reported against materialized), or both")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--quick", action="store_true", help="smallest settings: checks the script, measures nothing")
@@ -281,6 +286,9 @@ def main():
         args.groups, args.group_size, args.new_tokens = 1, 2, 8
     if args.dtype is None:
         args.dtype = "bf16" if args.device.startswith("cuda") else "f32"
+    kernels = args.attention_kernels.split(",")
+    if "materialized" not in kernels or not set(kernels) <= {"materialized", "flash"}:
+        sys.exit(f"error: --attention-kernels {args.attention_kernels}: materialized, or materialized,flash")
     if not os.access(args.troupe, os.X_OK):
         sys.exit(f"error: --troupe {args.troupe}: no such executable (cargo build --release first)")
     for name in ("model", "adapters") if args.benches and not args.skip_kernels else ():

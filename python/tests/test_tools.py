@@ -39,3 +39,29 @@ def test_criterion_fastest_prints_fastest_and_mean(tmp_path):
     # fastest 1e6 ns a pass: 64000 tok/s; mean 1.25e6 ns: 51200 tok/s.
     assert "fastest  64000.0 tok/s" in line and "mean  51200.0 tok/s" in line, line
     assert "prefill_small/b1x128" in out and "not run" in out
+
+
+def test_gpu_figures_runs_only_the_attention_kernels_asked_for(monkeypatch):
+    kernels = []
+    def run(cmd, env=None, log=None):
+        kernels.append((env or {}).get("TROUPE_ATTENTION"))
+
+    monkeypatch.setattr(gpu_figures, "run", run)
+    monkeypatch.setattr(gpu_figures, "tokens_per_second", lambda root, names: {key: 1.0 for key in names.values()})
+    monkeypatch.setattr(gpu_figures.criterion_fastest, "load", lambda *a: {"mean": {"point_estimate": 2.0}})
+    args = gpu_figures.argparse.Namespace(device="cpu", dtype="f32", quick=True, bench_seconds=None, target_dir="t",
+                                          benches=None, attention_kernels="materialized")
+    out = gpu_figures.troupe_kernels(args, "crit", "small")
+    # One model run (materialized) and one adapters run; no flash figures.
+    assert kernels == ["materialized", "materialized"] and "attention_flash" not in out
+    kernels.clear()
+    args.attention_kernels = "materialized,flash"
+    out = gpu_figures.troupe_kernels(args, "crit", "small")
+    assert kernels == ["materialized", "flash", "materialized"] and out["attention_flash_over_materialized"]
+
+
+def test_gpu_figures_refuses_attention_kernels_without_materialized(tmp_path):
+    got = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_figures.py"), "--device", "cpu",
+                          "--attention-kernels", "flash", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True)
+    assert got.returncode != 0 and "--attention-kernels flash" in got.stderr, got.stderr
