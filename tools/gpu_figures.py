@@ -276,6 +276,7 @@ def main():
                    help="the attention kernels the prefill / decode benchmarks run with: materialized (compared "
                         "with PyTorch), flash (reported against materialized), or both")
     p.add_argument("--skip-kernels", action="store_true")
+    p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--quick", action="store_true", help="smallest settings: checks the script, measures nothing")
     p.add_argument("--out", required=True)
@@ -326,7 +327,7 @@ def main():
             result[f"kernels_{preset}"] = kernels
             write(args.out, result)
         gemm = None
-        for preset in args.preset.split(","):
+        for preset in [] if args.skip_iteration else args.preset.split(","):
             model_dir = model_dir_of(preset)
             iteration = {"troupe": [], "trl": [], "trl_s_per_step_over_troupe_s_per_iteration": []}
             for rep in range(args.reps):
