@@ -13,12 +13,33 @@ use troupe::rl::config::TrainConfig;
 use troupe::rl::run::TrainingRun;
 use troupe_envs::Registry;
 
-const CONFIGS: [&str; 4] = [
-    "configs/hanabi_smollm2.yaml",
-    "configs/hanabi_very_small_smollm2.yaml",
-    "configs/hanabi_very_small_smollm2_selfplay.yaml",
-    "configs/hanabi_smollm2_part3.yaml",
+/// A shipped config, the config whose run it starts from (`agents.init_adapters`; the recipe's
+/// parts run in this order) and whether it plays full Hanabi.
+struct Part {
+    config: &'static str,
+    starts_from: Option<&'static str>,
+    full_game: bool,
+}
+
+const CONFIGS: [Part; 4] = [
+    Part { config: "configs/hanabi_smollm2.yaml", starts_from: None, full_game: true },
+    Part { config: "configs/hanabi_very_small_smollm2.yaml", starts_from: None, full_game: false },
+    Part {
+        config: "configs/hanabi_very_small_smollm2_selfplay.yaml",
+        starts_from: Some("configs/hanabi_very_small_smollm2.yaml"),
+        full_game: false,
+    },
+    Part {
+        config: "configs/hanabi_smollm2_part3.yaml",
+        starts_from: Some("configs/hanabi_very_small_smollm2_selfplay.yaml"),
+        full_game: true,
+    },
 ];
+
+/// The name a config's run gets in the one-iteration test's temporary directory.
+fn run_name(config: &str) -> &str {
+    config.trim_start_matches("configs/").trim_end_matches(".yaml")
+}
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -27,23 +48,21 @@ fn root() -> &'static Path {
 #[test]
 fn the_configs_load_for_the_cpu_and_for_cuda() {
     let registry = Registry::with_builtins();
-    for name in CONFIGS {
+    for part in &CONFIGS {
+        let name = part.config;
         let path = root().join(name);
         let config = TrainConfig::from_yaml_file(&path, &[], &registry).unwrap();
         assert_eq!(config.model.device, "cpu", "{name}");
         assert!(config.model.path.as_ref().unwrap().ends_with("SmolLM2-135M-Instruct.Q4_1.gguf"), "{name}");
         assert!(config.action.chat_template, "{name}");
+        // Hanabi's variant is `full` unless the config names another.
+        let variant = config.env.params.get("variant").and_then(|v| v.as_str()).unwrap_or("full");
+        assert_eq!(variant == "full", part.full_game, "{name}: env.variant {variant}");
         config.build_env(&path, &registry).unwrap();
-        if name.ends_with("_selfplay.yaml") {
-            let part_one = TrainConfig::from_yaml_file(&root().join(CONFIGS[1]), &[], &registry).unwrap();
-            assert_eq!(config.agents.init_adapters.as_ref(), Some(&part_one.run.out_dir), "part 2 reads part 1's run");
-            assert!(config.training.partners.is_empty(), "part 2 is self-play");
-        }
-        if name.ends_with("_part3.yaml") {
-            let part_two = TrainConfig::from_yaml_file(&root().join(CONFIGS[2]), &[], &registry).unwrap();
-            assert_eq!(config.agents.init_adapters.as_ref(), Some(&part_two.run.out_dir), "part 3 reads part 2's run");
-            assert!(config.training.partners.is_empty(), "part 3 is self-play");
-            assert_eq!(config.env.params["variant"], "full", "part 3 plays the full game");
+        if let Some(before) = part.starts_from {
+            let before = TrainConfig::from_yaml_file(&root().join(before), &[], &registry).unwrap();
+            assert_eq!(config.agents.init_adapters.as_ref(), Some(&before.run.out_dir), "{name} reads its part's run");
+            assert!(config.training.partners.is_empty(), "{name} is self-play");
         }
         // For `--device cuda` the config is valid as it stands: a build without the `cuda`
         // feature refuses the device and nothing else.
@@ -62,9 +81,10 @@ fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
     let registry = Registry::with_builtins();
     let model = root().join("fixtures/gguf/tiny-llama.gguf");
     let dir = tempfile::tempdir().unwrap();
-    for name in CONFIGS {
-        let out = dir.path().join(name.trim_start_matches("configs/").trim_end_matches(".yaml"));
-        let overrides: Vec<String> = [
+    for part in &CONFIGS {
+        let name = part.config;
+        let out = dir.path().join(run_name(name));
+        let mut overrides: Vec<String> = vec![
             format!("model.path={}", model.display()),
             format!("run.out_dir={}", out.display()),
             "run.iterations=1".to_string(),
@@ -75,22 +95,14 @@ fn one_iteration_of_each_config_runs_on_the_tiny_stand_in() {
             "eval.every=0".to_string(),
             // The fixture's 512 positions: the observation without the move history.
             "env.history_moves=0".to_string(),
-        ]
-        .to_vec();
-        let mut overrides = overrides;
-        if name.ends_with("hanabi_smollm2.yaml") || name.ends_with("_part3.yaml") {
+        ];
+        if part.full_game {
             // Full Hanabi's longer observation: hands of 3 keep it within the fixture's positions.
             overrides.push("env.hand_size=3".to_string());
         }
-        if name.ends_with("_selfplay.yaml") {
-            // Part 2 goes on from part 1's agents (run just before it in this loop).
-            let part_one = dir.path().join("hanabi_very_small_smollm2");
-            overrides.push(format!("agents.init_adapters={}", part_one.display()));
-        }
-        if name.ends_with("_part3.yaml") {
-            // Part 3 goes on from part 2's agents, on the full game.
-            let part_two = dir.path().join("hanabi_very_small_smollm2_selfplay");
-            overrides.push(format!("agents.init_adapters={}", part_two.display()));
+        if let Some(before) = part.starts_from {
+            // The part goes on from the agents of the part before it (run earlier in this loop).
+            overrides.push(format!("agents.init_adapters={}", dir.path().join(run_name(before)).display()));
         }
         let path = root().join(name);
         let config = TrainConfig::from_yaml_file(&path, &overrides, &registry).unwrap();
