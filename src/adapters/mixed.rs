@@ -1,11 +1,14 @@
 //! Mixed-adapter batches: one forward pass in which every row uses its own adapter (or none).
 //!
-//! For each targeted site, the adapters' factors are stacked (ranks zero-padded to the largest,
-//! scales folded into B, one all-zero slot for rows without an adapter) and gathered per row,
-//! so the update is two batched matmuls whatever the number of adapters:
-//! `delta[row] = (x[row] A[row]^T) B[row]^T`. The gather's backward scatters each row's
-//! gradient into the factors that row selected and nowhere else, which is what isolates
-//! agents' gradients by construction.
+//! For each targeted site, the factors of the adapters targeting it are stacked along the rank,
+//! `A`: `[R, in]` and `B` (each adapter's block scaled by its own scale): `[out, R]`, where `R`
+//! is the sum of their ranks, and the update is two products over the whole batch with a 0/1
+//! mask between them that keeps, in each row, only the rank columns of that row's adapter:
+//! `delta[row] = ((x[row] A^T) * mask[row]) B^T`. However many adapters are mixed, a site costs
+//! two products and one multiply, the factors are stacked once per batch (not copied per row),
+//! and rows without an adapter have an all-zero mask row. The mask's zeros stop every gradient
+//! between a row and the factors of another adapter: each adapter's factors are given exactly
+//! the sums of its own rows' gradients, which is what isolates agents' gradients by construction.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -23,8 +26,9 @@ use crate::model::{ModelConfig, Projection, ProjectionDelta};
 enum SiteFactors {
     /// Every row uses the same adapter: `a`: `[r, in]`, `b_scaled`: `[out, r]`.
     Shared { a: Tensor<2>, b_scaled: Tensor<2> },
-    /// Rows differ: `a`: `[batch, r_max, in]`, `b_scaled`: `[batch, out, r_max]`.
-    PerRow { a: Tensor<3>, b_scaled: Tensor<3> },
+    /// Rows differ: the targeting adapters' factors stacked along the rank, `a`: `[R, in]`,
+    /// `b_scaled`: `[out, R]`, and which of [`MixedLora::masks`] selects each row's columns.
+    Stacked { a: Tensor<2>, b_scaled: Tensor<2>, mask: usize },
 }
 
 /// Training-time dropout on the adapters' input, with each row's own rate.
@@ -37,17 +41,37 @@ struct Dropout {
 /// A [`ProjectionDelta`] applying a per-row choice of LoRA adapters.
 pub struct MixedLora {
     sites: HashMap<Site, SiteFactors>,
+    /// One `[batch, R]` 0/1 mask per distinct list of stacked adapters (sites targeted by the
+    /// same adapters share one): row `i` keeps the rank columns of its own adapter.
+    masks: Vec<Tensor<2>>,
     /// Per row: the index of its adapter among those given to [`MixedLora::new`], or `None`.
     rows: Vec<Option<usize>>,
     dropout: Option<Dropout>,
     device: Device,
 }
 
+/// The `[rows.len(), R]` 0/1 mask for the adapters `stacked` (stacked in that order, with ranks
+/// `ranks`): row `i` has ones in the columns of adapter `rows[i]`, zeros elsewhere.
+fn rank_mask(stacked: &[usize], ranks: &[usize], rows: &[Option<usize>], device: &Device) -> Tensor<2> {
+    let width: usize = ranks.iter().sum();
+    let mut values = vec![0.0f32; rows.len() * width];
+    for (row, adapter) in rows.iter().enumerate() {
+        let Some(adapter) = adapter else { continue };
+        let mut start = 0;
+        for (&k, &r) in stacked.iter().zip(ranks) {
+            if k == *adapter {
+                values[row * width + start..row * width + start + r].fill(1.0);
+            }
+            start += r;
+        }
+    }
+    Tensor::from_data(TensorData::new(values, [rows.len(), width]), device)
+}
+
 impl MixedLora {
     /// Prepares the factors for a batch where row `i` uses `adapters[rows[i]]`, or no adapter
     /// when `rows[i]` is `None`. Differentiable: gradients reach the adapters' tensors.
     pub fn new(adapters: &[&LoraAdapter], rows: &[Option<usize>], base: &ModelConfig, device: &Device) -> Self {
-        let batch = rows.len();
         let used: Vec<usize> = {
             let mut used: Vec<usize> = rows.iter().flatten().copied().collect();
             used.sort_unstable();
@@ -59,6 +83,9 @@ impl MixedLora {
             _ => None,
         };
         let mut sites = HashMap::new();
+        let mut masks = Vec::new();
+        // The mask of each list of stacked adapters, by the list.
+        let mut mask_of: HashMap<Vec<usize>, usize> = HashMap::new();
         for layer in 0..base.num_hidden_layers {
             for projection in Projection::ALL {
                 let site = (layer, projection);
@@ -73,46 +100,28 @@ impl MixedLora {
                     sites.insert(site, SiteFactors::Shared { a: pair.a.clone(), b_scaled: pair.b.clone() * scale });
                     continue;
                 }
-                let (fan_in, fan_out) = projection.dims(base);
-                let r_max = targeting.iter().map(|&k| adapters[k].config.r).max().unwrap_or(0);
-                // Slot j < used.len() holds adapter used[j]; the last slot is all zeros.
-                let mut a_slots = Vec::with_capacity(used.len() + 1);
-                let mut b_slots = Vec::with_capacity(used.len() + 1);
-                for &k in &used {
-                    match adapters[k].pairs.get(&site) {
-                        Some(pair) => {
-                            let r = adapters[k].config.r;
-                            let scale = adapters[k].config.scale();
-                            let (mut a, mut b) = (pair.a.clone(), pair.b.clone() * scale);
-                            if r < r_max {
-                                a = Tensor::cat(vec![a, Tensor::zeros([r_max - r, fan_in], device)], 0);
-                                b = Tensor::cat(vec![b, Tensor::zeros([fan_out, r_max - r], device)], 1);
-                            }
-                            a_slots.push(a);
-                            b_slots.push(b);
-                        }
-                        None => {
-                            a_slots.push(Tensor::zeros([r_max, fan_in], device));
-                            b_slots.push(Tensor::zeros([fan_out, r_max], device));
-                        }
-                    }
-                }
-                a_slots.push(Tensor::zeros([r_max, fan_in], device));
-                b_slots.push(Tensor::zeros([fan_out, r_max], device));
-                let slot_of_row: Vec<i64> = rows
-                    .iter()
-                    .map(|r| match r {
-                        Some(k) => used.iter().position(|u| u == k).expect("used lists every row's adapter") as i64,
-                        None => used.len() as i64,
-                    })
-                    .collect();
-                let index: Tensor<1, Int> = Tensor::from_data(TensorData::new(slot_of_row, [batch]), device);
-                let a = Tensor::stack::<3>(a_slots, 0).select(0, index.clone());
-                let b_scaled = Tensor::stack::<3>(b_slots, 0).select(0, index);
-                sites.insert(site, SiteFactors::PerRow { a, b_scaled });
+                let ranks: Vec<usize> = targeting.iter().map(|&k| adapters[k].config.r).collect();
+                let mask = *mask_of.entry(targeting.clone()).or_insert_with(|| {
+                    masks.push(rank_mask(&targeting, &ranks, rows, device));
+                    masks.len() - 1
+                });
+                let pairs: Vec<_> = targeting.iter().map(|&k| &adapters[k].pairs[&site]).collect();
+                let a = Tensor::cat(pairs.iter().map(|p| p.a.clone()).collect(), 0);
+                let b = Tensor::cat(pairs.iter().map(|p| p.b.clone()).collect(), 1);
+                let scales: Vec<f32> = targeting.iter().map(|&k| adapters[k].config.scale() as f32).collect();
+                // Each B scaled by its adapter's scale, element by element as `b * scale`.
+                let b_scaled = if scales.iter().all(|&s| s == scales[0]) {
+                    b * scales[0]
+                } else {
+                    let per_column: Vec<f32> =
+                        scales.iter().zip(&ranks).flat_map(|(&s, &r)| std::iter::repeat_n(s, r)).collect();
+                    let width = per_column.len();
+                    b * Tensor::<2>::from_data(TensorData::new(per_column, [1, width]), device)
+                };
+                sites.insert(site, SiteFactors::Stacked { a, b_scaled, mask });
             }
         }
-        Self { sites, rows: rows.to_vec(), dropout: None, device: device.clone() }
+        Self { sites, masks, rows: rows.to_vec(), dropout: None, device: device.clone() }
     }
 
     /// Applies dropout to the adapters' input (training only): row `i` with probability
@@ -141,23 +150,29 @@ impl MixedLora {
 
 impl MixedLora {
     /// [`ProjectionDelta::delta`], with the factors outside autodiff unless `tracked`.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     fn delta_of(&self, layer: usize, projection: Projection, x: &Tensor<3>, tracked: bool) -> Option<Tensor<3>> {
         let factors = self.sites.get(&(layer, projection))?;
         let x = self.dropped(x);
         let plain = |t: &Tensor<2>| if tracked { t.clone() } else { t.clone().without_autodiff() };
-        let plain3 = |t: &Tensor<3>| if tracked { t.clone() } else { t.clone().without_autodiff() };
-        Some(match factors {
-            SiteFactors::Shared { a, b_scaled } => {
-                let (a, b_scaled) = (plain(a), plain(b_scaled));
-                let [batch, seq, fan_in] = x.dims();
-                let out = b_scaled.dims()[0];
-                let down = batched_matmul(x.reshape([1, batch * seq, fan_in]), a.clone().transpose().unsqueeze());
-                batched_matmul(down, b_scaled.clone().transpose().unsqueeze()).reshape([batch, seq, out])
+        let [batch, seq, fan_in] = x.dims();
+        let (a, b_scaled, mask) = match factors {
+            SiteFactors::Shared { a, b_scaled } => (plain(a), plain(b_scaled), None),
+            SiteFactors::Stacked { a, b_scaled, mask } => (plain(a), plain(b_scaled), Some(&self.masks[*mask])),
+        };
+        let [rank, _] = a.dims();
+        let out = b_scaled.dims()[0];
+        // [1, batch * seq, in] x [1, in, R] -> [1, batch * seq, R]
+        let down = batched_matmul(x.reshape([1, batch * seq, fan_in]), a.transpose().unsqueeze());
+        let down = match mask {
+            Some(mask) => {
+                (down.reshape([batch, seq, rank]) * mask.clone().unsqueeze_dim(1)).reshape([1, batch * seq, rank])
             }
-            SiteFactors::PerRow { a, b_scaled } => {
-                batched_matmul(batched_matmul(x, plain3(a).swap_dims(1, 2)), plain3(b_scaled).swap_dims(1, 2))
-            }
-        })
+            None => down,
+        };
+        Some(batched_matmul(down, b_scaled.transpose().unsqueeze()).reshape([batch, seq, out]))
     }
 }
 
@@ -209,8 +224,8 @@ impl ProjectionDelta for MixedLora {
         Some(slot.map_or(0, |s| s as u64 + 1))
     }
 
-    /// Selects the rows' factors (differentiably: gradients of the narrowed batch reach the
-    /// same adapter tensors). `None` under dropout.
+    /// The same factors with the rows' masks (gradients of the narrowed batch reach the same
+    /// adapter tensors). `None` under dropout.
     fn select_rows(&self, rows: &[usize]) -> Option<Box<dyn ProjectionDelta + '_>> {
         if self.dropout.is_some() || rows.iter().any(|&r| r >= self.rows.len()) {
             return None;
@@ -219,25 +234,142 @@ impl ProjectionDelta for MixedLora {
             TensorData::new(rows.iter().map(|&r| r as i64).collect::<Vec<_>>(), [rows.len()]),
             &self.device,
         );
-        let sites = self
-            .sites
-            .iter()
-            .map(|(site, factors)| {
-                let narrowed = match factors {
-                    SiteFactors::Shared { .. } => factors.clone(),
-                    SiteFactors::PerRow { a, b_scaled } => SiteFactors::PerRow {
-                        a: a.clone().select(0, index.clone()),
-                        b_scaled: b_scaled.clone().select(0, index.clone()),
-                    },
-                };
-                (*site, narrowed)
-            })
-            .collect();
+        let masks = self.masks.iter().map(|mask| mask.clone().select(0, index.clone())).collect();
         Some(Box::new(MixedLora {
-            sites,
+            sites: self.sites.clone(),
+            masks,
             rows: rows.iter().map(|&r| self.rows[r]).collect(),
             dropout: None,
             device: self.device.clone(),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapters::AdapterConfig;
+    use crate::model::Preset;
+
+    /// An adapter on `targets` with rank `r` and random factors (B too, so deltas are not zero).
+    fn adapter(
+        r: usize,
+        alpha: f64,
+        rslora: bool,
+        targets: Vec<Projection>,
+        seed: u64,
+        base: &ModelConfig,
+    ) -> LoraAdapter {
+        let config = AdapterConfig {
+            r,
+            lora_alpha: alpha,
+            use_rslora: rslora,
+            target_modules: targets,
+            ..AdapterConfig::default()
+        };
+        let device = Device::flex();
+        let mut adapter = LoraAdapter::init(config, base, seed, &device);
+        let mut rng = ChaCha8Rng::seed_from_u64(seed + 100);
+        for pair in adapter.pairs.values_mut() {
+            let dims = pair.b.dims();
+            let values: Vec<f32> = (0..dims[0] * dims[1]).map(|_| rng.random_range(-0.5..0.5)).collect();
+            pair.b = Tensor::from_data(TensorData::new(values, dims), &device);
+        }
+        adapter
+    }
+
+    fn host(t: Tensor<3>) -> Vec<f32> {
+        t.into_data().convert::<f32>().try_into_vec::<f32>().unwrap()
+    }
+
+    /// Each row's delta is its own adapter's `scale (x A^T) B^T` (f64 on the host), zero where
+    /// its adapter does not target the site or it has none, whatever the other rows use: three
+    /// adapters with different ranks, scales and targets, a row without an adapter.
+    #[test]
+    fn every_row_gets_its_own_adapters_delta() {
+        let base = Preset::Tiny.config();
+        let device = Device::flex();
+        let adapters = [
+            adapter(4, 8.0, false, vec![Projection::Q, Projection::V], 1, &base),
+            adapter(8, 16.0, true, vec![Projection::Q, Projection::O], 2, &base),
+            adapter(2, 2.0, false, vec![Projection::Q], 3, &base),
+        ];
+        let refs: Vec<&LoraAdapter> = adapters.iter().collect();
+        let rows = [Some(0), Some(1), None, Some(2), Some(0)];
+        let mixed = MixedLora::new(&refs, &rows, &base, &device);
+        let seq = 3;
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for projection in [Projection::Q, Projection::V, Projection::O, Projection::Down] {
+            let (fan_in, fan_out) = projection.dims(&base);
+            let x: Vec<f32> = (0..rows.len() * seq * fan_in).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let input = Tensor::<3>::from_data(TensorData::new(x.clone(), [rows.len(), seq, fan_in]), &device);
+            let Some(delta) = mixed.delta(1, projection, &input) else {
+                assert_eq!(projection, Projection::Down, "no adapter targets down_proj");
+                continue;
+            };
+            assert_eq!(delta.dims(), [rows.len(), seq, fan_out]);
+            let got = host(delta);
+            for (row, adapter) in rows.iter().enumerate() {
+                let pair = adapter.and_then(|k| adapters[k].pairs.get(&(1, projection)).map(|p| (k, p)));
+                for t in 0..seq {
+                    let xs = &x[(row * seq + t) * fan_in..][..fan_in];
+                    let expected: Vec<f64> = match pair {
+                        None => vec![0.0; fan_out],
+                        Some((k, pair)) => {
+                            let a = pair.a.clone().into_data().try_into_vec::<f32>().unwrap();
+                            let b = pair.b.clone().into_data().try_into_vec::<f32>().unwrap();
+                            let r = adapters[k].config.r;
+                            let down: Vec<f64> = (0..r)
+                                .map(|j| (0..fan_in).map(|i| xs[i] as f64 * a[j * fan_in + i] as f64).sum())
+                                .collect();
+                            let scale = adapters[k].config.scale();
+                            (0..fan_out)
+                                .map(|o| scale * (0..r).map(|j| down[j] * b[o * r + j] as f64).sum::<f64>())
+                                .collect()
+                        }
+                    };
+                    let got = &got[(row * seq + t) * fan_out..][..fan_out];
+                    for (g, e) in got.iter().zip(&expected) {
+                        assert!(
+                            (*g as f64 - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                            "{projection:?} row {row} token {t}: {g} against {e}"
+                        );
+                        if pair.is_none() {
+                            assert_eq!(*g, 0.0, "{projection:?} row {row}: a row without the site's adapter");
+                        }
+                    }
+                }
+            }
+        }
+        // Sites targeted by the same adapters share one mask: {0, 1, 2} at q, {0} at v, {1} at o.
+        assert_eq!(mixed.masks.len(), 3);
+    }
+
+    /// A narrowed batch applies the rows' own adapters.
+    #[test]
+    fn selected_rows_keep_their_adapters() {
+        let base = Preset::Tiny.config();
+        let device = Device::flex();
+        let adapters = [
+            adapter(4, 8.0, false, vec![Projection::Q], 1, &base),
+            adapter(8, 8.0, false, vec![Projection::Q], 2, &base),
+        ];
+        let refs: Vec<&LoraAdapter> = adapters.iter().collect();
+        let rows = [Some(0), Some(1), None, Some(1)];
+        let mixed = MixedLora::new(&refs, &rows, &base, &device);
+        let (fan_in, _) = Projection::Q.dims(&base);
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let x: Vec<f32> = (0..rows.len() * 2 * fan_in).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let input = Tensor::<3>::from_data(TensorData::new(x, [rows.len(), 2, fan_in]), &device);
+        let full = host(mixed.delta(0, Projection::Q, &input).unwrap());
+        let picked = [3usize, 0, 2];
+        let narrowed = mixed.select_rows(&picked).unwrap();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(vec![3i64, 0, 2], [3]), &device);
+        let part = host(narrowed.delta(0, Projection::Q, &input.select(0, index)).unwrap());
+        let width = full.len() / rows.len();
+        for (i, &row) in picked.iter().enumerate() {
+            assert_eq!(&part[i * width..][..width], &full[row * width..][..width], "row {row}");
+        }
+        assert_eq!(narrowed.row_key(0), mixed.row_key(3));
     }
 }
