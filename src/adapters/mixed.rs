@@ -50,6 +50,15 @@ pub struct MixedLora {
     device: Device,
 }
 
+/// The scales of a stacked `B`'s rank columns: one for all, or `[1, R]`, each column its
+/// adapter's.
+// A handful per batch, one per list of stacked adapters: the tensor handle's size is no matter.
+#[allow(clippy::large_enum_variant)]
+enum ColumnScale {
+    Uniform(f32),
+    PerColumn(Tensor<2>),
+}
+
 /// The `[rows.len(), R]` 0/1 mask for the adapters `stacked` (stacked in that order, with ranks
 /// `ranks`): row `i` has ones in the columns of adapter `rows[i]`, zeros elsewhere.
 fn rank_mask(stacked: &[usize], ranks: &[usize], rows: &[Option<usize>], device: &Device) -> Tensor<2> {
@@ -84,8 +93,8 @@ impl MixedLora {
         };
         let mut sites = HashMap::new();
         let mut masks = Vec::new();
-        // The mask of each list of stacked adapters, by the list.
-        let mut mask_of: HashMap<Vec<usize>, usize> = HashMap::new();
+        // By list of stacked adapters: its mask's index in `masks`, and its columns' scales.
+        let mut stacking: HashMap<Vec<usize>, (usize, ColumnScale)> = HashMap::new();
         for layer in 0..base.num_hidden_layers {
             for projection in Projection::ALL {
                 let site = (layer, projection);
@@ -100,24 +109,29 @@ impl MixedLora {
                     sites.insert(site, SiteFactors::Shared { a: pair.a.clone(), b_scaled: pair.b.clone() * scale });
                     continue;
                 }
-                let ranks: Vec<usize> = targeting.iter().map(|&k| adapters[k].config.r).collect();
-                let mask = *mask_of.entry(targeting.clone()).or_insert_with(|| {
+                let (mask, scale) = stacking.entry(targeting.clone()).or_insert_with(|| {
+                    let ranks: Vec<usize> = targeting.iter().map(|&k| adapters[k].config.r).collect();
                     masks.push(rank_mask(&targeting, &ranks, rows, device));
-                    masks.len() - 1
+                    let scales: Vec<f32> = targeting.iter().map(|&k| adapters[k].config.scale() as f32).collect();
+                    let scale = if scales.iter().all(|&s| s == scales[0]) {
+                        ColumnScale::Uniform(scales[0])
+                    } else {
+                        let per_column: Vec<f32> =
+                            scales.iter().zip(&ranks).flat_map(|(&s, &r)| std::iter::repeat_n(s, r)).collect();
+                        let width = per_column.len();
+                        ColumnScale::PerColumn(Tensor::from_data(TensorData::new(per_column, [1, width]), device))
+                    };
+                    (masks.len() - 1, scale)
                 });
                 let pairs: Vec<_> = targeting.iter().map(|&k| &adapters[k].pairs[&site]).collect();
                 let a = Tensor::cat(pairs.iter().map(|p| p.a.clone()).collect(), 0);
                 let b = Tensor::cat(pairs.iter().map(|p| p.b.clone()).collect(), 1);
-                let scales: Vec<f32> = targeting.iter().map(|&k| adapters[k].config.scale() as f32).collect();
                 // Each B scaled by its adapter's scale, element by element as `b * scale`.
-                let b_scaled = if scales.iter().all(|&s| s == scales[0]) {
-                    b * scales[0]
-                } else {
-                    let per_column: Vec<f32> =
-                        scales.iter().zip(&ranks).flat_map(|(&s, &r)| std::iter::repeat_n(s, r)).collect();
-                    let width = per_column.len();
-                    b * Tensor::<2>::from_data(TensorData::new(per_column, [1, width]), device)
+                let b_scaled = match scale {
+                    ColumnScale::Uniform(scale) => b * *scale,
+                    ColumnScale::PerColumn(scales) => b * scales.clone(),
                 };
+                let mask = *mask;
                 sites.insert(site, SiteFactors::Stacked { a, b_scaled, mask });
             }
         }
