@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use super::objective::LossStats;
-use crate::adapters::optim::{grad_norm_squared, scale_grads, AdapterGrads};
+use crate::adapters::optim::{grad_norms_squared, AdapterGrads, FlatLayout, FlatStep};
 use crate::adapters::{AdamWConfig, AdamWState, MultiAdapterManager};
 use crate::error::{ModelError, Result, RunError, TroupeError};
 
@@ -37,8 +37,8 @@ impl AgentOptimizers {
         lr: f64,
     ) -> Result<BTreeMap<String, f64>> {
         let mut grad_norm = BTreeMap::new();
-        for (name, g) in &grads {
-            let norm = grad_norm_squared(g).sqrt();
+        for (name, squared) in grads.keys().zip(grad_norms_squared(grads.values())) {
+            let norm = squared.sqrt();
             if !norm.is_finite() {
                 return Err(TroupeError::Run(RunError::NonFinite {
                     message: format!("adapter {name} has a non-finite gradient ({norm}); stopped before any update"),
@@ -49,19 +49,27 @@ impl AgentOptimizers {
         let mut stepped = Vec::with_capacity(grads.len());
         for (name, g) in grads {
             let norm = grad_norm[&name];
-            let g = if self.max_grad_norm > 0.0 && norm > self.max_grad_norm {
-                scale_grads(g, self.max_grad_norm / norm)
-            } else {
-                g
-            };
             let agent = manager
                 .agent_ids()
                 .into_iter()
                 .find(|a| manager.adapter_name(*a).map(|n| n == name).unwrap_or(false))
                 .ok_or_else(|| TroupeError::Model(ModelError::UnknownAdapter { name: name.clone() }))?;
+            let adapter = manager.adapter(agent)?;
             let mut state = self.states.get(&name).cloned().unwrap_or_default();
-            let updated = self.adamw.step(manager.adapter(agent)?, &g, &mut state, lr);
-            let magnitude = weights_magnitude(&updated);
+            let layout = FlatLayout::of(adapter);
+            if layout.is_empty() {
+                state.step += 1;
+                stepped.push((agent, name, adapter.frozen(), state));
+                continue;
+            }
+            let mut grad = layout.flatten_grads(&g);
+            if self.max_grad_norm > 0.0 && norm > self.max_grad_norm {
+                grad = grad * (self.max_grad_norm / norm);
+            }
+            let FlatStep { adapter: updated, params } = self.adamw.step_flat(adapter, &layout, grad, &mut state, lr);
+            // The sum of the magnitudes of all the weights: NaN or infinite when any weight is
+            // (one number read back from the device per step).
+            let magnitude = f64::from(params.abs().sum().into_scalar::<f32>());
             if !magnitude.is_finite() {
                 return Err(TroupeError::non_finite(format!(
                     "adapter {name}'s weights after the step at learning rate {lr:e} are not finite \
@@ -76,14 +84,6 @@ impl AgentOptimizers {
         }
         Ok(grad_norm)
     }
-}
-
-/// The sum of the magnitudes of all of `adapter`'s weights: NaN or infinite when any weight is
-/// (one number read back from the device per step).
-fn weights_magnitude(adapter: &crate::adapters::LoraAdapter) -> f64 {
-    let total =
-        adapter.pairs.values().map(|pair| pair.a.clone().abs().sum() + pair.b.clone().abs().sum()).reduce(|x, y| x + y);
-    total.map_or(0.0, |t| f64::from(t.into_scalar::<f32>()))
 }
 
 /// The fraction of measured units whose importance ratio lay outside the clip range, when the

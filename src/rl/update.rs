@@ -732,7 +732,7 @@ mod tests {
                 let state = states.get_mut(name).unwrap();
                 let stepped = adamw.step(manager.adapter(agent).unwrap(), &grads[name], state, 1e-2);
                 let moments: Vec<Vec<f32>> = state
-                    .moments
+                    .moments()
                     .values()
                     .flat_map(|(a, b)| [&a.m, &a.v, &b.m, &b.v])
                     .map(|t| t.clone().into_data().try_into_vec::<f32>().unwrap())

@@ -104,7 +104,7 @@ fn host(adapter: &LoraAdapter) -> BTreeMap<String, Vec<u8>> {
 
 fn state_bytes(state: &AdamWState) -> Vec<u8> {
     let mut out = state.step.to_le_bytes().to_vec();
-    for (ma, mb) in state.moments.values() {
+    for (ma, mb) in state.moments().values() {
         for t in [&ma.m, &ma.v, &mb.m, &mb.v] {
             out.extend(t.to_data().into_bytes().to_vec());
         }

@@ -130,7 +130,7 @@ pub fn write_checkpoint_files(
     let mut optimizer_steps = BTreeMap::new();
     for (name, state) in optimizer_states {
         optimizer_steps.insert(name.clone(), state.step);
-        for (&site, (a, b)) in &state.moments {
+        for (&site, (a, b)) in &state.moments() {
             for (factor, moments) in [('A', a), ('B', b)] {
                 let key = format!("{name}/{}", peft_key(site, factor));
                 tensors.insert(format!("{key}/exp_avg"), host(&moments.m));
@@ -235,7 +235,7 @@ pub fn load_checkpoint(dir: &Path, manager: &mut MultiAdapterManager, device: &D
             let b = read('B', pair.b.dims().to_vec())?;
             moments.insert(site, (a, b));
         }
-        optimizer_states.insert(name.clone(), AdamWState { step, moments });
+        optimizer_states.insert(name.clone(), AdamWState::from_moments(step, &moments));
     }
     *manager = loaded;
     Ok(Checkpoint { dir: dir.to_path_buf(), iteration: state.iteration, rng, optimizer_states })
