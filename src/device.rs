@@ -1,17 +1,22 @@
 //! Choosing the compute device. burn picks the backend from the device: `flex` (the CPU
-//! backend, using every core and the CPU's SIMD) by default, CUDA with the `cuda` feature.
+//! backend, using every core and the CPU's SIMD) by default, CUDA with the `cuda` feature,
+//! wgpu (Vulkan or Metal; on a machine without a GPU, Mesa's lavapipe) with the `wgpu` feature.
 
 use burn::tensor::Device;
 
 use crate::error::{Result, TroupeError};
 
 /// The device names `--device` accepts.
-pub const DEVICE_NAMES: &str = "cpu, cuda (with the `cuda` feature)";
+pub const DEVICE_NAMES: &str = "cpu, cuda (with the `cuda` feature), wgpu (with the `wgpu` feature)";
 
 /// Parses a device name: `cpu` (burn's flex backend) or `cuda` / `cuda:N`.
 pub fn parse_device(name: &str) -> Result<Device> {
     match name {
         "cpu" | "flex" => Ok(Device::flex()),
+        #[cfg(feature = "wgpu")]
+        "wgpu" => Ok(Device::wgpu(burn::tensor::DeviceKind::DefaultDevice)),
+        #[cfg(not(feature = "wgpu"))]
+        "wgpu" => Err(TroupeError::invalid("device", "\"wgpu\" needs troupe built with `--features wgpu`")),
         #[cfg(feature = "cuda")]
         _ if name == "cuda" || name.starts_with("cuda:") => {
             let index = match name.strip_prefix("cuda:") {
@@ -71,6 +76,32 @@ fn start_cuda(index: usize) -> Result<Device> {
     match outcome {
         Ok(()) => Ok(device),
         Err(cause) => Err(TroupeError::invalid("device", format!("cuda:{index} could not be started: {cause}"))),
+    }
+}
+
+/// Whether `device` is a CUDA device (where `model.dtype: auto` is bf16).
+pub fn is_cuda(device: &Device) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        matches!(device.as_dispatch(), burn::backend::DispatchDevice::Cube(burn_cubecl::CubeDevice::Cuda(_)))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// Whether `device` is a wgpu device.
+pub fn is_wgpu(device: &Device) -> bool {
+    #[cfg(feature = "wgpu")]
+    {
+        matches!(device.as_dispatch(), burn::backend::DispatchDevice::Cube(burn_cubecl::CubeDevice::Wgpu(_)))
+    }
+    #[cfg(not(feature = "wgpu"))]
+    {
+        let _ = device;
+        false
     }
 }
 

@@ -206,21 +206,23 @@ def troupe_kernels(args, criterion_dir, preset):
     return out
 
 
-def troupe_iteration(args, model_dir, work, rep, extra=None):
+def troupe_iteration(args, model_dir, work, rep, extra=None, flags=()):
     out_dir = os.path.join(work, f"run{rep}")
     reward = f"[{{name: external, command: [{args.reward_python}, python/examples/length_reward.py], weight: 1.0}}]"
     sets = {"model.path": model_dir, "model.device": args.device, "model.dtype": args.dtype, "run.out_dir": out_dir,
             "run.iterations": args.iterations, "run.checkpoint_every": 1000,
             "training.groups_per_iteration": args.groups, "training.group_size": args.group_size,
             "action.max_new_tokens": args.new_tokens, "rewards.functions": reward, **(extra or {})}
-    cmd = [args.troupe, "train", "--config", "configs/writing_tldr.yaml"]
+    cmd = [args.troupe, "train", "--config", "configs/writing_tldr.yaml", *flags]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     _, peak_mib = run_peak(cmd, args.device, log=subprocess.DEVNULL)
     lines = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
     seconds = [l["seconds"] for l in lines]
     steady = seconds[1:] or seconds
-    return {"iteration_s": seconds, "s_per_iteration": sum(steady) / len(steady),
+    kernels = os.path.join(out_dir, "kernels.json")
+    profile = json.load(open(kernels)) if "--profile-kernels" in flags and os.path.exists(kernels) else None
+    return {"iteration_s": seconds, "s_per_iteration": sum(steady) / len(steady), "kernels": profile,
             "replies": AGENTS * args.groups * args.group_size, "peak_memory_mib": peak_mib,
             "update_gflop_per_s": [l.get("extra", {}).get("gflop_per_second_update") for l in lines]}
 
@@ -275,6 +277,10 @@ def main():
     p.add_argument("--attention-kernels", default="materialized,flash",
                    help="the attention kernels the prefill / decode benchmarks run with: materialized (compared "
                         "with PyTorch), flash (reported against materialized), or both")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="after each --preset's iterations, one more troupe run of the same shape with "
+                        "--profile-kernels (launches and device time per phase and kernel; a debug aid, "
+                        "its seconds are not the timed figures)")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -344,6 +350,10 @@ def main():
                 for ours in iteration["troupe"]]
             result[f"iteration_{preset}"] = iteration
             write(args.out, result)
+            if args.kernel_profile:
+                profiled = troupe_iteration(args, model_dir, work, f"{preset}-kernels", flags=("--profile-kernels",))
+                result[f"kernel_profile_{preset}"] = profiled["kernels"]
+                write(args.out, result)
         if not args.skip_memory:
             # Two agents, LoRA r16 on q,k,v,o: the memory goal's set-up, the iteration's shape.
             memory_dir = os.path.join(work, args.memory_preset)

@@ -65,3 +65,26 @@ def test_gpu_figures_refuses_attention_kernels_without_materialized(tmp_path):
                           "--attention-kernels", "flash", "--out", str(tmp_path / "x.json")],
                          capture_output=True, text=True)
     assert got.returncode != 0 and "--attention-kernels flash" in got.stderr, got.stderr
+
+
+def test_gpu_figures_kernel_profile_run_passes_the_flag_and_reads_kernels_json(monkeypatch, tmp_path):
+    seen = []
+
+    def run_peak(cmd, device, env=None, log=None):
+        seen.append(cmd)
+        out_dir = next(c.split("=", 1)[1] for c in cmd if c.startswith("run.out_dir="))
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"seconds": 2.0, "extra": {}}) + "\n")
+        with open(os.path.join(out_dir, "kernels.json"), "w") as f:
+            json.dump({"iterations": 1, "phases": {"decode": {"k": {"launches": 3, "timed": 3, "seconds": 1e-3}}}}, f)
+        return "", 100.0
+
+    monkeypatch.setattr(gpu_figures, "run_peak", run_peak)
+    args = gpu_figures.argparse.Namespace(device="cpu", dtype="f32", reward_python="python3", iterations=1,
+                                          groups=1, group_size=2, new_tokens=8, troupe="troupe")
+    plain = gpu_figures.troupe_iteration(args, "m", str(tmp_path), "a")
+    profiled = gpu_figures.troupe_iteration(args, "m", str(tmp_path), "b", flags=("--profile-kernels",))
+    assert "--profile-kernels" not in seen[0] and plain["kernels"] is None
+    assert "--profile-kernels" in seen[1]
+    assert profiled["kernels"]["phases"]["decode"]["k"]["launches"] == 3

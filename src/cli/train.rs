@@ -45,12 +45,65 @@ pub struct TrainArgs {
     /// evaluation, checkpoint); the same figures are `seconds_*` keys of `metrics.jsonl`.
     #[arg(long)]
     pub profile: bool,
+    /// On a GPU (a `--features cuda` build): count the kernels each phase launches and time
+    /// them on the device; after the run, print launches and device milliseconds per phase and
+    /// iteration and the kernels that took longest on stderr, and write the counts to
+    /// `kernels.json` in the run directory. Timing each launch costs a little host time, which
+    /// the iteration's seconds include.
+    #[arg(long)]
+    pub profile_kernels: bool,
+}
+
+/// `--profile-kernels`' recording: the tallies and, on a GPU build, the launch observer that
+/// feeds them.
+struct KernelRecording {
+    recording: crate::profile::kernels::Recording,
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    _observer: burn_cubecl::cubecl::logging::LaunchObservation,
+}
+
+impl KernelRecording {
+    /// Whether this build can count kernels (a GPU backend is compiled in).
+    fn check() -> anyhow::Result<()> {
+        if cfg!(any(feature = "cuda", feature = "wgpu")) {
+            Ok(())
+        } else {
+            anyhow::bail!("--profile-kernels counts a GPU's kernels: build troupe with `--features cuda`")
+        }
+    }
+
+    fn start() -> anyhow::Result<Self> {
+        Self::check()?;
+        Ok(Self {
+            recording: crate::profile::kernels::Recording::start(),
+            #[cfg(any(feature = "cuda", feature = "wgpu"))]
+            _observer: crate::profile::observer::observe(true),
+        })
+    }
+
+    /// Stops recording; writes `kernels.json` into `run_dir` and prints the table.
+    fn finish(self, run_dir: &std::path::Path, iterations: u64) -> anyhow::Result<()> {
+        let phases = self.recording.finish();
+        let path = run_dir.join("kernels.json");
+        let json = serde_json::to_vec_pretty(&json!({ "iterations": iterations, "phases": phases }))?;
+        crate::fsutil::write_atomic(&path, &json).with_context(|| format!("writing {}", path.display()))?;
+        if phases.is_empty() {
+            eprintln!("--profile-kernels: no kernel was launched (the CPU backend runs troupe's own code, not kernels)");
+        } else {
+            eprint!("{}", crate::profile::kernels::kernel_table(&phases, iterations, 25));
+            eprintln!("(all counts: {})", path.display());
+        }
+        Ok(())
+    }
 }
 
 /// Runs (or resumes) the training run with the environments and policies of `registry`; prints
 /// `{"run_dir", "iterations", "last", "checkpoint"}`.
 pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Registry) -> anyhow::Result<()> {
     let registry = registry.clone();
+    if args.profile_kernels {
+        KernelRecording::check()?;
+    }
     let mut set = args.set.clone();
     if args.quantized {
         set.push("model.quantized=true".to_string());
@@ -104,6 +157,8 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
     tracing::info!(run_dir = %run.run_dir.display(), from = run.iteration(), to = total, "training");
     let mut last = None;
     let mut profiled = Vec::new();
+    let kernels = if args.profile_kernels { Some(KernelRecording::start()?) } else { None };
+    let first_iteration = run.iteration();
     while !run.finished() {
         let metrics = match run.run_iteration() {
             Ok(m) => m,
@@ -161,6 +216,9 @@ pub fn run(args: TrainArgs, device: Option<burn::tensor::Device>, registry: &Reg
     bar.finish();
     if args.profile {
         eprint!("{}", profile_table(&profiled));
+    }
+    if let Some(kernels) = kernels {
+        kernels.finish(&run.run_dir, run.iteration() - first_iteration)?;
     }
     // A run of no iterations (`run.iterations: 0`, the fresh adapters alone) has no curve to draw.
     let (plots, plot_error) = match run.iteration() {

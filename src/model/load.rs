@@ -44,12 +44,15 @@ impl Precision {
         }
     }
 
-    /// The dtype the base's matrices take on `device` (`auto`: bf16 on CUDA, f32 on the CPU),
-    /// or why it cannot ([`Precision::check`]).
+    /// The dtype the base's matrices take on `device` (`auto`: bf16 on CUDA, f32 elsewhere),
+    /// or why it cannot ([`Precision::check`]; wgpu's shaders have no bf16).
     pub fn resolve(self, device: &Device, quantized: bool) -> std::result::Result<FloatDType, String> {
         self.check(quantized)?;
+        if self == Precision::Bf16 && crate::device::is_wgpu(device) {
+            return Err("bf16 needs a CUDA device (wgpu's shaders have no bf16); use f32 or f16".to_string());
+        }
         Ok(match self {
-            Precision::Auto if quantized || *device == Device::flex() => FloatDType::F32,
+            Precision::Auto if quantized || !crate::device::is_cuda(device) => FloatDType::F32,
             Precision::Auto | Precision::Bf16 => FloatDType::BF16,
             Precision::F16 => FloatDType::F16,
             Precision::F32 => FloatDType::F32,

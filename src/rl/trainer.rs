@@ -264,6 +264,10 @@ impl MagrpoTrainer {
     pub fn plan(&mut self) -> RolloutPlan {
         // The iteration's phase timers start here (what ran before, a warm-up, is not counted).
         crate::profile::take();
+        // Kernels launched since the last iteration's phases (evaluation and checkpoints are
+        // claimed by their own) are `other`'s; the device has run them by now, or will.
+        crate::profile::kernels::close("other");
+        crate::profile::kernels::resolve();
         let iteration_seed: u64 = self.rng.random();
         let mut rollout_rng = ChaCha8Rng::seed_from_u64(iteration_seed);
         let starts: Vec<u64> = (0..self.config.training.groups_per_iteration).map(|_| rollout_rng.random()).collect();
@@ -413,6 +417,7 @@ impl MagrpoTrainer {
             update_flops += self.scorer().forward_flops(&batch);
         }
         let credit_seconds = credit_started.elapsed().as_secs_f64();
+        crate::profile::kernels::close("credit");
 
         let lr = self.learning_rate(iteration);
         let place = format!("iteration {iteration}");
@@ -431,6 +436,7 @@ impl MagrpoTrainer {
             let grad_norm =
                 self.optimizers.step(&mut self.manager, pass.grads, lr).map_err(|e| label_non_finite(e, &place))?;
             optimizer_seconds += optimizer_started.elapsed().as_secs_f64();
+            crate::profile::kernels::close("optimizer");
             first.get_or_insert((pass.loss, grad_norm, pass.stats));
         }
         let (loss, grad_norm, first_stats) = first.expect("at least one epoch");

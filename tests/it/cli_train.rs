@@ -171,6 +171,18 @@ fn bad_configs_and_arguments_give_one_clear_line() {
     assert!(line.contains("action.mode"), "{line}");
 }
 
+/// Without a GPU backend there are no kernels to count: `--profile-kernels` says so before
+/// anything is written.
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+#[test]
+fn profile_kernels_without_a_gpu_build_is_one_clear_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 1, true);
+    let line = error_line(&troupe(&["train", "--config", config.to_str().unwrap(), "--profile-kernels"]));
+    assert!(line.contains("--profile-kernels") && line.contains("--features cuda"), "{line}");
+    assert!(!tmp.path().join("run").exists());
+}
+
 #[test]
 fn print_config_shows_every_default_and_trains_nothing() {
     let dir = tempfile::tempdir().unwrap();

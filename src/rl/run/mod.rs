@@ -409,7 +409,7 @@ impl TrainingRun {
         let last = iteration >= self.config.run.iterations as u64;
         if eval.every > 0 && (iteration % eval.every as u64 == 0 || last) {
             let started = std::time::Instant::now();
-            let summary = self.held_out_eval()?;
+            let summary = crate::profile::kernels::scoped("eval", || self.held_out_eval())?;
             metrics.extra.insert("eval_score".into(), summary.score.mean);
             metrics.extra.insert("eval_score_stderr".into(), summary.score.stderr);
             metrics.extra.insert("eval_episode_steps".into(), summary.mean_steps);
@@ -426,7 +426,7 @@ impl TrainingRun {
         self.checkpoint_seconds = 0.0;
         if iteration % self.config.run.checkpoint_every as u64 == 0 || iteration >= self.config.run.iterations as u64 {
             let started = std::time::Instant::now();
-            self.checkpoint()?;
+            crate::profile::kernels::scoped("checkpoint", || self.checkpoint())?;
             self.checkpoint_seconds = started.elapsed().as_secs_f64();
         }
         Ok(metrics)

@@ -13,6 +13,10 @@
 use std::cell::Cell;
 use std::time::Instant;
 
+pub mod kernels;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub mod observer;
+
 /// A phase timed inside generation or the update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -48,8 +52,10 @@ thread_local! {
     static SECONDS: Cell<PhaseSeconds> = const { Cell::new([0.0; 4]) };
 }
 
-/// Adds the time since `started` to `phase`.
+/// Adds the time since `started` to `phase` (and the kernels this thread launched since the
+/// last phase closed, when they are being counted: [`kernels`]).
 pub fn since(phase: Phase, started: Instant) {
+    kernels::close(phase.name());
     let seconds = started.elapsed().as_secs_f64();
     SECONDS.with(|s| {
         let mut v = s.get();
