@@ -28,160 +28,160 @@ fn main() {
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 mod counts {
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex};
 
-use burn_cubecl::cubecl::logging::{LaunchObservation, LaunchObserver};
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-use troupe::adapters::optim::adapter_grads;
-use troupe::adapters::{AdamWConfig, AdamWState, AdapterConfig, MultiAdapterManager};
-use troupe::generate::{generate, next_token_logprobs, GenerateOptions, SamplingConfig, ScoringBatch};
-use troupe::model::{ForwardArgs, LoadOptions, Model, Preset, SequenceLayout};
+    use burn_cubecl::cubecl::logging::{LaunchObservation, LaunchObserver};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use troupe::adapters::optim::adapter_grads;
+    use troupe::adapters::{AdamWConfig, AdamWState, AdapterConfig, MultiAdapterManager};
+    use troupe::generate::{generate, next_token_logprobs, GenerateOptions, SamplingConfig, ScoringBatch};
+    use troupe::model::{ForwardArgs, LoadOptions, Model, Preset, SequenceLayout};
 
-#[derive(Default)]
-struct Count(Mutex<BTreeMap<&'static str, usize>>);
+    #[derive(Default)]
+    struct Count(Mutex<BTreeMap<&'static str, usize>>);
 
-impl LaunchObserver for Count {
-    fn launched(&self, kernel: &'static str) {
-        *self.0.lock().unwrap().entry(kernel).or_default() += 1;
-    }
-}
-
-fn counted<T>(f: impl FnOnce() -> T) -> (T, BTreeMap<&'static str, usize>) {
-    let counts = Arc::new(Count::default());
-    let watching = LaunchObservation::new(counts.clone());
-    let out = f();
-    drop(watching);
-    let map = counts.0.lock().unwrap().clone();
-    (out, map)
-}
-
-fn short(name: &str) -> String {
-    let name = troupe::profile::kernels::short_kernel_name(name);
-    // cubek's matmul names its whole blueprint.
-    match name.find('<') {
-        Some(at) if name.starts_with("MatmulEntry") => format!("{}<..>", &name[..at]),
-        _ => name,
-    }
-}
-
-fn report(label: &str, map: &BTreeMap<&'static str, usize>, per: f64) {
-    let total: usize = map.values().sum();
-    println!("== {label}: {} launches", total as f64 / per);
-    let mut v: Vec<_> = map.iter().collect();
-    v.sort_by(|a, b| b.1.cmp(a.1));
-    for (k, c) in v.iter().take(40) {
-        println!("  {:8.2} {}", **c as f64 / per, short(k));
-    }
-}
-
-fn diff(a: &BTreeMap<&'static str, usize>, b: &BTreeMap<&'static str, usize>) -> BTreeMap<&'static str, usize> {
-    let mut out = a.clone();
-    for (k, v) in b {
-        let e = out.entry(k).or_default();
-        *e = e.saturating_sub(*v);
-    }
-    out.retain(|_, v| *v > 0);
-    out
-}
-
-pub fn main() {
-    let device = troupe::device::default_device().expect("TROUPE_DEVICE");
-    let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
-    let preset = troupe::device::bench_presets(&[Preset::Small]).unwrap()[0];
-    let what: Vec<String> = std::env::args().skip(1).collect();
-    let want = |w: &str| what.is_empty() || what.iter().any(|x| x == w);
-    let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
-    let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
-    let mut rng = ChaCha8Rng::seed_from_u64(0);
-    let rows = |rng: &mut ChaCha8Rng, b: usize, l: usize| -> Vec<Vec<u32>> {
-        (0..b).map(|_| (0..l).map(|_| rng.random_range(1..vocab as u32)).collect()).collect()
-    };
-
-    if want("decode") {
-        for batch in [1usize, 16] {
-            let prompts = rows(&mut rng, batch, 16);
-            let options = |n| GenerateOptions {
-                max_new_tokens: n,
-                sampling: SamplingConfig::greedy(),
-                seed: 0,
-                stop_at_eos: false,
-                use_cache: true,
-            };
-            let run = |n| counted(|| generate(&model.lm, &[], &prompts, &options(n), None).unwrap()).1;
-            run(9);
-            let one = run(1);
-            let nine = run(9);
-            report(&format!("generate b{batch}, first token (prefill 16)"), &one, 1.0);
-            report(&format!("decode b{batch}, per token"), &diff(&nine, &one), 8.0);
+    impl LaunchObserver for Count {
+        fn launched(&self, kernel: &'static str) {
+            *self.0.lock().unwrap().entry(kernel).or_default() += 1;
         }
     }
-    if want("prefill") {
-        let r = rows(&mut rng, 1, 128);
-        let pass = || {
-            counted(|| {
-                let tokens = model.lm.token_tensor(&r).unwrap();
-                let layout = SequenceLayout::new(1).step(&[vec![true; 128]], &device);
-                let logits: burn::tensor::Tensor<3> =
-                    model.lm.forward(tokens, ForwardArgs { layout: &layout, cache: None, delta: None }).unwrap();
-                device.sync().unwrap();
-                logits.dims()
-            })
-            .1
-        };
-        pass();
-        report("prefill b1x128", &pass(), 1.0);
+
+    fn counted<T>(f: impl FnOnce() -> T) -> (T, BTreeMap<&'static str, usize>) {
+        let counts = Arc::new(Count::default());
+        let watching = LaunchObservation::new(counts.clone());
+        let out = f();
+        drop(watching);
+        let map = counts.0.lock().unwrap().clone();
+        (out, map)
     }
-    if want("train") {
-        let r = rows(&mut rng, 8, 128);
-        let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
-        manager.create_adapters(1, &AdapterConfig::default()).unwrap();
-        let adamw = AdamWConfig::default();
-        let mut state = AdamWState::default();
-        let mut step = |print: bool| {
-            let (used, fwd) = counted(|| {
-                let (delta, used) = manager.mixed(&[Some(0); 8], true).unwrap();
-                let batch = ScoringBatch::new(&model.lm, &r).unwrap();
-                let loss = next_token_logprobs(&model.lm, &batch, Some(&delta)).unwrap().mean().neg();
-                (used, loss)
-            });
-            let (used, loss) = used;
-            let (grads, bwd) = counted(|| loss.backward());
-            let (_, opt) = counted(|| {
-                let g = adapter_grads(&used["agent_0"], &grads).unwrap();
-                let updated = adamw.step(manager.adapter(0).unwrap(), &g, &mut state, adamw.lr);
-                manager.set_adapter(0, updated).unwrap();
-                device.sync().unwrap();
-            });
-            if print {
-                report("lora step: forward", &fwd, 1.0);
-                report("lora step: backward", &bwd, 1.0);
-                report("lora step: adamw", &opt, 1.0);
+
+    fn short(name: &str) -> String {
+        let name = troupe::profile::kernels::short_kernel_name(name);
+        // cubek's matmul names its whole blueprint.
+        match name.find('<') {
+            Some(at) if name.starts_with("MatmulEntry") => format!("{}<..>", &name[..at]),
+            _ => name,
+        }
+    }
+
+    fn report(label: &str, map: &BTreeMap<&'static str, usize>, per: f64) {
+        let total: usize = map.values().sum();
+        println!("== {label}: {} launches", total as f64 / per);
+        let mut v: Vec<_> = map.iter().collect();
+        v.sort_by(|a, b| b.1.cmp(a.1));
+        for (k, c) in v.iter().take(40) {
+            println!("  {:8.2} {}", **c as f64 / per, short(k));
+        }
+    }
+
+    fn diff(a: &BTreeMap<&'static str, usize>, b: &BTreeMap<&'static str, usize>) -> BTreeMap<&'static str, usize> {
+        let mut out = a.clone();
+        for (k, v) in b {
+            let e = out.entry(k).or_default();
+            *e = e.saturating_sub(*v);
+        }
+        out.retain(|_, v| *v > 0);
+        out
+    }
+
+    pub fn main() {
+        let device = troupe::device::default_device().expect("TROUPE_DEVICE");
+        let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
+        let preset = troupe::device::bench_presets(&[Preset::Small]).unwrap()[0];
+        let what: Vec<String> = std::env::args().skip(1).collect();
+        let want = |w: &str| what.is_empty() || what.iter().any(|x| x == w);
+        let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
+        let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
+        let mut rng = ChaCha8Rng::seed_from_u64(0);
+        let rows = |rng: &mut ChaCha8Rng, b: usize, l: usize| -> Vec<Vec<u32>> {
+            (0..b).map(|_| (0..l).map(|_| rng.random_range(1..vocab as u32)).collect()).collect()
+        };
+
+        if want("decode") {
+            for batch in [1usize, 16] {
+                let prompts = rows(&mut rng, batch, 16);
+                let options = |n| GenerateOptions {
+                    max_new_tokens: n,
+                    sampling: SamplingConfig::greedy(),
+                    seed: 0,
+                    stop_at_eos: false,
+                    use_cache: true,
+                };
+                let run = |n| counted(|| generate(&model.lm, &[], &prompts, &options(n), None).unwrap()).1;
+                run(9);
+                let one = run(1);
+                let nine = run(9);
+                report(&format!("generate b{batch}, first token (prefill 16)"), &one, 1.0);
+                report(&format!("decode b{batch}, per token"), &diff(&nine, &one), 8.0);
             }
-        };
-        step(false);
-        step(true);
-    }
-    if want("mixed") {
-        let r = rows(&mut rng, 32, 64);
-        let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
-        manager.create_adapters(8, &AdapterConfig::default()).unwrap();
-        for k in [1usize, 8] {
-            let agents: Vec<Option<usize>> = (0..32).map(|i| Some(i % k)).collect();
+        }
+        if want("prefill") {
+            let r = rows(&mut rng, 1, 128);
             let pass = || {
                 counted(|| {
-                    let (delta, _) = manager.mixed(&agents, false).unwrap();
-                    let batch = ScoringBatch::new(&model.lm, &r).unwrap();
-                    let lp = next_token_logprobs(&model.lm, &batch, Some(&delta)).unwrap();
+                    let tokens = model.lm.token_tensor(&r).unwrap();
+                    let layout = SequenceLayout::new(1).step(&[vec![true; 128]], &device);
+                    let logits: burn::tensor::Tensor<3> =
+                        model.lm.forward(tokens, ForwardArgs { layout: &layout, cache: None, delta: None }).unwrap();
                     device.sync().unwrap();
-                    lp.dims()
+                    logits.dims()
                 })
                 .1
             };
             pass();
-            report(&format!("mixed forward K{k}"), &pass(), 1.0);
+            report("prefill b1x128", &pass(), 1.0);
+        }
+        if want("train") {
+            let r = rows(&mut rng, 8, 128);
+            let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+            manager.create_adapters(1, &AdapterConfig::default()).unwrap();
+            let adamw = AdamWConfig::default();
+            let mut state = AdamWState::default();
+            let mut step = |print: bool| {
+                let (used, fwd) = counted(|| {
+                    let (delta, used) = manager.mixed(&[Some(0); 8], true).unwrap();
+                    let batch = ScoringBatch::new(&model.lm, &r).unwrap();
+                    let loss = next_token_logprobs(&model.lm, &batch, Some(&delta)).unwrap().mean().neg();
+                    (used, loss)
+                });
+                let (used, loss) = used;
+                let (grads, bwd) = counted(|| loss.backward());
+                let (_, opt) = counted(|| {
+                    let g = adapter_grads(&used["agent_0"], &grads).unwrap();
+                    let updated = adamw.step(manager.adapter(0).unwrap(), &g, &mut state, adamw.lr);
+                    manager.set_adapter(0, updated).unwrap();
+                    device.sync().unwrap();
+                });
+                if print {
+                    report("lora step: forward", &fwd, 1.0);
+                    report("lora step: backward", &bwd, 1.0);
+                    report("lora step: adamw", &opt, 1.0);
+                }
+            };
+            step(false);
+            step(true);
+        }
+        if want("mixed") {
+            let r = rows(&mut rng, 32, 64);
+            let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+            manager.create_adapters(8, &AdapterConfig::default()).unwrap();
+            for k in [1usize, 8] {
+                let agents: Vec<Option<usize>> = (0..32).map(|i| Some(i % k)).collect();
+                let pass = || {
+                    counted(|| {
+                        let (delta, _) = manager.mixed(&agents, false).unwrap();
+                        let batch = ScoringBatch::new(&model.lm, &r).unwrap();
+                        let lp = next_token_logprobs(&model.lm, &batch, Some(&delta)).unwrap();
+                        device.sync().unwrap();
+                        lp.dims()
+                    })
+                    .1
+                };
+                pass();
+                report(&format!("mixed forward K{k}"), &pass(), 1.0);
+            }
         }
     }
-}
 }

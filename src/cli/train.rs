@@ -88,7 +88,9 @@ impl KernelRecording {
         let json = serde_json::to_vec_pretty(&json!({ "iterations": iterations, "phases": phases }))?;
         crate::fsutil::write_atomic(&path, &json).with_context(|| format!("writing {}", path.display()))?;
         if phases.is_empty() {
-            eprintln!("--profile-kernels: no kernel was launched (the CPU backend runs troupe's own code, not kernels)");
+            eprintln!(
+                "--profile-kernels: no kernel was launched (the CPU backend runs troupe's own code, not kernels)"
+            );
         } else {
             eprint!("{}", crate::profile::kernels::kernel_table(&phases, iterations, 25));
             eprintln!("(all counts: {})", path.display());

@@ -233,7 +233,8 @@ fn last_segment(path: &str) -> &str {
 /// then the `top` kernels by device time (by launches where none was timed), with their phase.
 pub fn kernel_table(phases: &PhaseKernels, iterations: u64, top: usize) -> String {
     let per = iterations.max(1) as f64;
-    let mut out = format!("kernels per phase, per iteration (mean over {iterations}; troupe train --profile-kernels)\n");
+    let mut out =
+        format!("kernels per phase, per iteration (mean over {iterations}; troupe train --profile-kernels)\n");
     out += &format!("{:>15} {:>12} {:>12} {:>10}\n", "phase", "launches", "device ms", "kernels");
     let (mut all_launches, mut all_seconds) = (0, 0.0);
     for (phase, kernels) in phases {
