@@ -141,6 +141,21 @@ pub fn default_attention_kernel() -> Result<crate::model::AttentionKernel> {
     }
 }
 
+/// Whether troupe's own GPU kernels run the forwards without gradients on a `cuda` or `wgpu`
+/// device (the RMS norm, the rotary embedding, attention's softmax and the SwiGLU gate, one
+/// kernel each: `model::fused::gpu`): `TROUPE_GPU_KERNELS` = `troupe` (the default) or `burn`
+/// (burn's composites, a kernel per operation, as before them; to compare the two on one GPU).
+pub fn fused_gpu_kernels() -> Result<bool> {
+    match std::env::var("TROUPE_GPU_KERNELS") {
+        Ok(name) if name.eq_ignore_ascii_case("troupe") || name.is_empty() => Ok(true),
+        Ok(name) if name.eq_ignore_ascii_case("burn") => Ok(false),
+        Ok(name) => {
+            Err(TroupeError::invalid("TROUPE_GPU_KERNELS", format!("unknown kernels {name:?} (known: troupe, burn)")))
+        }
+        Err(_) => Ok(true),
+    }
+}
+
 /// The model presets a benchmark runs at: `TROUPE_BENCH_PRESETS` (preset names separated by
 /// commas, e.g. `small,qwen3-0.6b`) if set, else `default`.
 pub fn bench_presets(default: &[crate::model::Preset]) -> Result<Vec<crate::model::Preset>> {

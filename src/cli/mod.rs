@@ -86,7 +86,8 @@ pub fn main_with(registry: Registry) -> std::process::ExitCode {
             },
         }
     };
-    let result = match cli.command {
+    // Checked here, before any work, so that a misspelt value stops with one line.
+    let result = crate::device::fused_gpu_kernels().map_err(Into::into).and_then(|_| match cli.command {
         Command::InitModel(args) => model::init_model(args),
         Command::Logprobs(args) => device().map_err(Into::into).and_then(|d| model::logprobs(args, &d)),
         Command::Generate(args) => device().map_err(Into::into).and_then(|d| model::generate_text(args, &d)),
@@ -97,7 +98,7 @@ pub fn main_with(registry: Registry) -> std::process::ExitCode {
         Command::Plot(args) => plot::run(args),
         Command::Train(args) => explicit_device().map_err(Into::into).and_then(|d| train::run(args, d, &registry)),
         Command::Eval(args) => explicit_device().map_err(Into::into).and_then(|d| eval::run(args, d, &registry)),
-    };
+    });
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) if output::is_stdout_closed(&err) => output::exit_for_closed_stdout(),

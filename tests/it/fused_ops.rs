@@ -3,7 +3,9 @@
 //! bit, values and gradients, and the SwiGLU gate on a stacked projection equals the gate on its
 //! narrowed halves plus their deltas bit for bit; the few-row products match an f64 sum, and the SwiGLU gate, the
 //! RMS norm, the attention, the token log-probability and the log-sum-exp match burn's
-//! composites within float rounding.
+//! composites within float rounding; the RMS norm, the rotary embedding and the SwiGLU gate without
+//! gradients match an f64 reference on the test device (`TROUPE_TEST_DEVICE`), where a GPU runs
+//! each as one kernel.
 
 use burn::tensor::activation::{log_softmax, silu};
 use burn::tensor::{Device, Int, Tensor, TensorData};
@@ -280,6 +282,72 @@ fn rope_equals_the_rotate_half_composite_bit_for_bit() {
     assert_eq!(fused.1, composite.1, "gradients");
 }
 
+/// The SwiGLU gate without gradients, on the device of `TROUPE_TEST_DEVICE` (the CPU's fused
+/// kernel by default, one GPU kernel under `cuda` or `wgpu`), against an f64 reference: the two
+/// halves of a stacked gate/up product, read in place, and large gates of both signs.
+#[test]
+fn swiglu_without_gradients_matches_f64_on_the_test_device() {
+    let device = crate::common::test_device();
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for (rows, width) in [(3, 40), (17, 1024)] {
+        let stacked: Vec<f32> = (0..rows * 2 * width).map(|_| rng.random_range(-30.0f32..30.0)).collect();
+        let gate_up = Tensor::<2>::from_data(TensorData::new(stacked.clone(), [rows, 2 * width]), &device);
+        let got = values(swiglu(gate_up.clone().narrow(1, 0, width), gate_up.narrow(1, width, width)));
+        let want: Vec<f32> = (0..rows * width)
+            .map(|i| {
+                let (r, j) = (i / width, i % width);
+                let (g, u) = (f64::from(stacked[r * 2 * width + j]), f64::from(stacked[r * 2 * width + width + j]));
+                (g / (1.0 + (-g).exp()) * u) as f32
+            })
+            .collect();
+        let worst = worst_relative_error(&got, &want);
+        assert!(worst < 1e-5, "{rows} x {width}: {worst}");
+    }
+}
+
+/// The rotary embedding without gradients, on the device of `TROUPE_TEST_DEVICE` (the CPU's
+/// fused kernel by default, one GPU kernel under `cuda` or `wgpu`), against an f64 reference:
+/// queries as the attention makes them (heads and positions swapped, strided), a decoding
+/// step's single position, and Qwen3-0.6B's head width.
+#[test]
+fn rope_without_gradients_matches_f64_on_the_test_device() {
+    let device = crate::common::test_device();
+    let mut rng = ChaCha8Rng::seed_from_u64(10);
+    for (batch, heads, seq, dim) in [(2, 3, 5, 8), (3, 16, 1, 128), (1, 2, 70, 64)] {
+        let host = |rng: &mut ChaCha8Rng, n: usize, scale: f32| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+        };
+        let (cos, sin) = (host(&mut rng, batch * seq * dim, 1.0), host(&mut rng, batch * seq * dim, 1.0));
+        let x = host(&mut rng, batch * seq * heads * dim, 2.0);
+        let tensor =
+            |values: &[f32], dims: [usize; 4]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), dims), &device);
+        let table = [batch, 1, seq, dim];
+        let swapped = tensor(&x, [batch, seq, heads, dim]).swap_dims(1, 2);
+        let got = rope(swapped, &tensor(&cos, table), &tensor(&sin, table))
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .expect("f32");
+        let half = dim / 2;
+        let mut want = Vec::with_capacity(x.len());
+        for b in 0..batch {
+            for h in 0..heads {
+                for s in 0..seq {
+                    let row = &x[((b * seq + s) * heads + h) * dim..][..dim];
+                    let t = (b * seq + s) * dim;
+                    for j in 0..dim {
+                        let rotated = if j < half { -f64::from(row[j + half]) } else { f64::from(row[j - half]) };
+                        let value = f64::from(row[j]) * f64::from(cos[t + j]) + rotated * f64::from(sin[t + j]);
+                        want.push(value as f32);
+                    }
+                }
+            }
+        }
+        let worst = worst_relative_error(&got, &want);
+        assert!(worst < 1e-6, "{batch} x {heads} heads x {seq} x {dim}: {worst}");
+    }
+}
+
 #[test]
 fn attention_matches_burns_masked_attention() {
     use burn::tensor::module::attention as burn_attention;
@@ -397,6 +465,40 @@ fn rms_norm_matches_the_composite() {
     for (what, (got, want)) in ["values", "dx", "dw"].iter().zip(fused.iter().zip(&composite)) {
         let worst = worst_relative_error(got, want);
         assert!(worst < 1e-5, "{what}: {worst}");
+    }
+}
+
+/// The RMS norm without gradients, on the device of `TROUPE_TEST_DEVICE` (the CPU's fused kernel
+/// by default, the one-kernel GPU norm under `cuda` or `wgpu`), against an f64 reference: rows
+/// wider and narrower than a cube, a per-head view of a narrowed projection output (strided rows),
+/// and more rows than one grid dimension holds.
+#[test]
+fn rms_norm_without_gradients_matches_f64_on_the_test_device() {
+    use troupe::model::fused::rms_norm;
+
+    let device = crate::common::test_device();
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let eps = 1e-6;
+    // (rows, heads, width, leading columns narrowed away)
+    for (rows, heads, width, skip) in [(3, 1, 1024, 0), (5, 4, 37, 6), (2, 2, 3000, 17), (70_000, 1, 8, 0)] {
+        let columns = skip + heads * width;
+        let x: Vec<f32> = (0..rows * columns).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+        let w: Vec<f32> = (0..width).map(|_| rng.random_range(0.5f32..1.5)).collect();
+        let stored = Tensor::<2>::from_data(TensorData::new(x.clone(), [rows, columns]), &device);
+        let weight = Tensor::<1>::from_data(TensorData::new(w.clone(), [width]), &device);
+        let view = stored.narrow(1, skip, heads * width).reshape([rows, heads, width]);
+        let got = rms_norm(view, &weight, eps).into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let mut want = Vec::with_capacity(rows * heads * width);
+        for r in 0..rows {
+            for h in 0..heads {
+                let row = &x[r * columns + skip + h * width..][..width];
+                let mean = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / width as f64;
+                let inverse = 1.0 / (mean + eps).sqrt();
+                want.extend(row.iter().zip(&w).map(|(&v, &w)| (f64::from(v) * inverse * f64::from(w)) as f32));
+            }
+        }
+        let worst = worst_relative_error(&got, &want);
+        assert!(worst < 1e-5, "rows {rows} x {heads} heads x {width}: {worst}");
     }
 }
 

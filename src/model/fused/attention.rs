@@ -476,9 +476,10 @@ impl<C: CheckpointStrategy> MaskedAttentionBackend for Autodiff<Flex, C> {
 /// Masked grouped-query attention (scale `1 / sqrt(head_dim)`): fused on the CPU; elsewhere
 /// (and for any dtype but f32) burn's attention, through [`grouped_attention`] except where
 /// burn's CPU attention shares the key/value heads itself, or, for a forward without gradients
-/// on a GPU when `kernel` asks for it, burn-cubecl's flash kernel
+/// on a GPU, burn-cubecl's flash kernel when `kernel` asks for it
 /// ([`super::flash::grouped_flash_attention`]; where it cannot run, the materialized kernel with a
-/// warning per reason). `mask` and `host_mask` are the same mask.
+/// warning per reason), else the materialized products around one softmax kernel
+/// (`super::gpu::attention`). `mask` and `host_mask` are the same mask.
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
@@ -512,6 +513,10 @@ pub fn attention(
             warn_once(refusal);
         }
         return out;
+    }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if super::gpu::attention_applies(&q, &k, &v, mask) {
+        return super::gpu::attention(q, k, v, mask);
     }
     grouped_attention(q, k, v, mask)
 }

@@ -17,8 +17,10 @@
 //! - [`attention`]: masked grouped-query attention, one task per key/value head, over only the
 //!   keys a block of queries may see, with its backward.
 //!
-//! Each falls back to burn's composite ops on other backends (CUDA). There, attention without
-//! gradients may instead run burn-cubecl's flash kernel ([`flash`], `runtime.attention`).
+//! Each falls back to burn's composite ops on other backends (CUDA, wgpu). There, without
+//! gradients, the RMS norm and the rotary embedding run as one cubecl kernel each (`gpu`, in
+//! builds with a GPU backend), and attention may run burn-cubecl's flash kernel ([`flash`],
+//! `runtime.attention`).
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{Device, Tensor};
@@ -26,6 +28,8 @@ use rayon::prelude::*;
 
 pub mod attention;
 pub mod flash;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+pub mod gpu;
 pub mod linear;
 pub mod matmul;
 pub mod rms_norm;

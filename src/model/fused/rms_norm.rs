@@ -164,8 +164,9 @@ impl<C: CheckpointStrategy> RmsNormBackend for Autodiff<Flex, C> {
     }
 }
 
-/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension: fused on the CPU, burn's
-/// composite elsewhere (and for any dtype but f32).
+/// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension: fused on the CPU, one kernel
+/// on a GPU without gradients ([`super::gpu::rms_norm`]), burn's composite elsewhere (and for any
+/// dtype but f32).
 ///
 /// # Shapes
 /// `x`: `[..., width]`, `weight`: `[width]` -> like `x`
@@ -177,6 +178,18 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
             eps as f32,
         ));
     }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if super::gpu::takes(&x) && super::gpu::takes(weight) {
+        return super::gpu::rms_norm(x, weight, eps);
+    }
+    composite(x, weight, eps)
+}
+
+/// burn's composite RMS norm: square, mean, add, square root, reciprocal, two products.
+///
+/// # Shapes
+/// `x`: `[..., width]`, `weight`: `[width]` -> like `x`
+pub fn composite<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> Tensor<D> {
     let mean_square = x.clone().square().mean_dim(D - 1);
     let normed = x * (mean_square + eps).sqrt().recip();
     let mut shape = [1usize; D];

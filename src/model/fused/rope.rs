@@ -139,24 +139,39 @@ impl<C: CheckpointStrategy> RopeBackend for Autodiff<Flex, C> {
     }
 }
 
-/// `x cos + rotate_half(x) sin` (rotate-half layout): fused on the CPU, burn's ops elsewhere;
-/// the same values either way. Differentiable in `x` (the tables are constants).
+/// `x cos + rotate_half(x) sin` (rotate-half layout): fused on the CPU, one kernel on a GPU
+/// without gradients ([`super::gpu::rope`], within the last bit of burn's), burn's ops
+/// elsewhere; the same values on the CPU either way. Differentiable in `x` (the tables are
+/// constants).
 ///
 /// # Shapes
 /// `x`: `[batch, heads, seq, head_dim]`, `cos`/`sin`: `[batch, 1, seq, head_dim]` -> like `x`
 pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
     let [batch, _, seq, dim] = x.dims();
     let fits = cos.dims() == [batch, 1, seq, dim] && sin.dims() == cos.dims() && dim % 2 == 0;
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if fits && [&x, cos, sin].into_iter().all(super::gpu::takes) {
+        return super::gpu::rope(x, cos, sin);
+    }
     if !on_flex(&x) || !fits {
-        let half = dim / 2;
-        let first = x.clone().narrow(3, 0, half);
-        let second = x.clone().narrow(3, half, half);
-        let rotated = Tensor::cat(vec![second.neg(), first], 3);
-        return x * cos.clone() + rotated * sin.clone();
+        return composite(x, cos, sin);
     }
     Tensor::from_dispatch(<Dispatch as RopeBackend>::rope(
         x.into_dispatch(),
         cos.clone().into_dispatch(),
         sin.clone().into_dispatch(),
     ))
+}
+
+/// burn's composite rotary embedding: two narrows, a negation, a concatenation, two products
+/// and a sum.
+///
+/// # Shapes
+/// `x`: `[batch, heads, seq, head_dim]`, `cos`/`sin`: broadcastable to `x` -> like `x`
+pub fn composite(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
+    let half = x.dims()[3] / 2;
+    let first = x.clone().narrow(3, 0, half);
+    let second = x.clone().narrow(3, half, half);
+    let rotated = Tensor::cat(vec![second.neg(), first], 3);
+    x * cos.clone() + rotated * sin.clone()
 }

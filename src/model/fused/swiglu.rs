@@ -133,12 +133,17 @@ impl<C: CheckpointStrategy> SwiGluBackend for Autodiff<Flex, C> {
     }
 }
 
-/// `silu(gate) * up`: fused on the CPU, burn's composite elsewhere; the same values within
+/// `silu(gate) * up`: fused on the CPU, one kernel on a GPU without gradients
+/// ([`super::gpu::swiglu`], burn's formula), burn's composite elsewhere; the same values within
 /// float rounding.
 ///
 /// # Shapes
 /// `gate`, `up`: `[..., width]` (the same) -> `[..., width]`
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if gate.dims() == up.dims() && [&gate, &up].into_iter().all(super::gpu::takes) {
+        return super::gpu::swiglu(gate, up);
+    }
     if !on_flex(&gate) || gate.dims() != up.dims() {
         return silu(gate) * up;
     }

@@ -1,0 +1,177 @@
+//! Masked grouped-query attention without gradients as two products around one softmax kernel.
+//!
+//! burn's materialized attention is the two products and nine kernels between them (the scale,
+//! the mask, a max, a clamp of the max, the shift, the exponential, a sum, a clamp of the sum,
+//! the division: `burn_backend`'s `attention_fallback`), and the grouped-query heads' boolean
+//! mask is repeated for the folded query rows (a copy). Here one cube takes one row of scores:
+//! its units scale it, hide the masked keys, reduce the row's maximum and the sum of the
+//! exponentials in shared memory, and write the probabilities; a row that sees no key gets zeros,
+//! as burn's clamps give. The mask is read through its strides, each score row's mask row being
+//! its row modulo the mask's rows, so the folded heads share the mask as it is. The values are
+//! burn's (the same products, the same scale, exponential and division); the sums run in another
+//! order.
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::Cube;
+use burn::tensor::{Bool, DType, Tensor};
+use burn_cubecl::cubecl::ir::ElemType;
+use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
+use burn_cubecl::kernel::untile;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+
+use super::MAX_GRID;
+
+/// The kernel, with cubecl's `Tensor` (not burn's) in scope.
+mod kernel {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    /// One cube per row of `scores` (`[batch, heads, rows, keys]`, any strides): `out`
+    /// (contiguous, `scores`' shape) gets `softmax(scores * scale)` over the keys the mask
+    /// (`[batch or 1, 1, mask rows, keys]`, nonzero where hidden, any strides) leaves visible,
+    /// zeros where it hides every key. Score row `r` reads mask row `r % mask rows`. `units` is
+    /// the cube's size, a power of two.
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn masked_softmax_kernel<M: Numeric>(
+        scores: &Tensor<f32>,
+        mask: &Tensor<M>,
+        out: &mut Tensor<f32>,
+        rows: usize,
+        scale: f32,
+        #[comptime] units: usize,
+        #[define(M)] _mask: ElemType,
+    ) {
+        let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+        let unit = UNIT_POS_X as usize;
+        let stride = CUBE_DIM_X as usize;
+        // Every unit of a cube takes the same branch, so the barriers below stay uniform.
+        if row < rows {
+            let keys = scores.shape(3);
+            let r = row % scores.shape(2);
+            let h = (row / scores.shape(2)) % scores.shape(1);
+            let b = row / (scores.shape(2) * scores.shape(1));
+            let start = b * scores.stride(0) + h * scores.stride(1) + r * scores.stride(2);
+            let step = scores.stride(3);
+            let mask_start = (b % mask.shape(0)) * mask.stride(0)
+                + (h % mask.shape(1)) * mask.stride(1)
+                + (r % mask.shape(2)) * mask.stride(2);
+            let mask_step = mask.stride(3);
+            let hidden = M::from_int(0);
+
+            // The largest visible score (f32::MIN while none is).
+            let lowest = f32::new(-3.402_823_5e38f32);
+            let mut largest = lowest;
+            let mut i = unit;
+            while i < keys {
+                if mask[mask_start + i * mask_step] == hidden {
+                    largest = max(largest, scores[start + i * step] * scale);
+                }
+                i += stride;
+            }
+            let mut partial = Shared::<[f32]>::new_slice(units);
+            partial[unit] = largest;
+            sync_cube();
+            let mut half = stride / 2;
+            while half > 0 {
+                if unit < half {
+                    let pair = max(partial[unit], partial[unit + half]);
+                    partial[unit] = pair;
+                }
+                sync_cube();
+                half /= 2;
+            }
+            let row_max = partial[0];
+            sync_cube();
+
+            let mut sum = 0.0f32;
+            let mut i = unit;
+            while i < keys {
+                if mask[mask_start + i * mask_step] == hidden {
+                    sum += f32::exp(scores[start + i * step] * scale - row_max);
+                }
+                i += stride;
+            }
+            partial[unit] = sum;
+            sync_cube();
+            let mut half = stride / 2;
+            while half > 0 {
+                if unit < half {
+                    let pair = partial[unit] + partial[unit + half];
+                    partial[unit] = pair;
+                }
+                sync_cube();
+                half /= 2;
+            }
+            let total = partial[0];
+
+            let mut i = unit;
+            while i < keys {
+                let visible = mask[mask_start + i * mask_step] == hidden && total > 0.0;
+                let p = if visible { f32::exp(scores[start + i * step] * scale - row_max) / total } else { 0.0f32 };
+                out[row * keys + i] = p;
+                i += stride;
+            }
+        }
+    }
+}
+
+/// Whether [`attention`] runs here: plain f32 queries, keys and values on a cubecl device
+/// ([`super::takes`]) and a mask stored as integers.
+pub fn applies(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, mask: &Tensor<4, Bool>) -> bool {
+    [q, k, v].into_iter().all(super::takes) && matches!(dtype_to_storage_type(mask.dtype()), ElemType::UInt(_))
+}
+
+/// Masked grouped-query attention, scale `1 / sqrt(head_dim)`: the query heads of each
+/// key/value head folded into its rows, the scores' product, [`masked_softmax`], the values'
+/// product. For tensors [`applies`] accepts; burn's materialized attention otherwise.
+///
+/// # Shapes
+/// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
+/// `[batch, 1, seq, keys]` (`true`: hidden) -> `[batch, heads, seq, head_dim]`
+pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: &Tensor<4, Bool>) -> Tensor<4> {
+    let [batch, heads, seq, head_dim] = q.dims();
+    let kv_heads = k.dims()[1];
+    let group = heads / kv_heads;
+    // Query head `h` reads key/value head `h / group`: `[batch, kv_heads, group * seq]` rows.
+    let q = q.reshape([batch, kv_heads, group * seq, head_dim]);
+    let scores = q.matmul(k.transpose());
+    let probabilities = masked_softmax(scores, mask, (1.0 / (head_dim as f64).sqrt()) as f32);
+    probabilities.matmul(v).reshape([batch, heads, seq, head_dim])
+}
+
+/// `softmax(scores * scale)` over the keys `mask` leaves visible, one kernel launch.
+///
+/// # Shapes
+/// `scores`: `[batch, heads, rows, keys]`, `mask`: `[batch, 1, mask_rows, keys]` with `rows` a
+/// multiple of `mask_rows` (score row `r` reads mask row `r % mask_rows`) -> like `scores`
+fn masked_softmax(scores: Tensor<4>, mask: &Tensor<4, Bool>, scale: f32) -> Tensor<4> {
+    let [batch, heads, rows, keys] = scores.dims();
+    let primitives = (scores.clone().try_into_primitive::<Cube>(), mask.clone().try_into_primitive::<Cube>());
+    let (Ok(sp), Ok(mp)) = primitives else {
+        let hidden = mask.clone().repeat_dim(2, rows / mask.dims()[2]);
+        return burn::tensor::activation::softmax((scores * scale).mask_fill(hidden, f32::NEG_INFINITY), 3);
+    };
+    let (sp, mp) = (untile(sp), untile(mp));
+    let mask_type = dtype_to_storage_type(mp.dtype);
+    let out = empty_device_contiguous_dtype(sp.client.clone(), sp.device.clone(), sp.meta.shape().clone(), DType::F32);
+    let all_rows = batch * heads * rows;
+    if all_rows == 0 || keys == 0 {
+        return Tensor::from_primitive::<Cube>(out);
+    }
+    let units = keys.next_power_of_two().clamp(32, 256);
+    let client = sp.client.clone();
+    kernel::masked_softmax_kernel::launch(
+        &client,
+        CubeCount::Static(all_rows.min(MAX_GRID) as u32, all_rows.div_ceil(MAX_GRID) as u32, 1),
+        CubeDim::new_1d(units as u32),
+        sp.into_tensor_arg(),
+        mp.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        all_rows,
+        scale,
+        units,
+        mask_type,
+    );
+    Tensor::from_primitive::<Cube>(out)
+}
