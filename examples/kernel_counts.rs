@@ -11,7 +11,8 @@
 //! ```
 //!
 //! (`TROUPE_DEVICE=cuda` and `--features cuda` on an NVIDIA GPU; `TROUPE_DTYPE` as for the
-//! benchmarks.)
+//! benchmarks; `TROUPE_GPU_KERNELS=burn` counts burn's composites in place of troupe's GPU
+//! kernels.)
 #![allow(missing_docs)]
 
 #[cfg(not(any(feature = "cuda", feature = "wgpu")))]

@@ -18,7 +18,9 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   same model directory. `model` runs twice, with each attention kernel
   (`TROUPE_ATTENTION`, `runtime.attention`): `materialized` (what `auto` runs today; its figures
   are the ones compared with PyTorch) and `flash` (`attention_flash`, with the ratios
-  `attention_flash_over_materialized`, above 1 when flash is faster);
+  `attention_flash_over_materialized`, above 1 when flash is faster); with `--burn-kernels`, once
+  more with burn's composites in place of troupe's GPU kernels (`TROUPE_GPU_KERNELS=burn`:
+  `burn_kernels`, with the ratios `troupe_kernels_over_burn`, above 1 when troupe's are faster);
 - a whole iteration (`--preset`, default qwen3-0.6b; several separated by commas): `troupe train`
   on `writing_tldr` with the length reward, 2 agents x `--groups` x `--group-size` replies of
   `--new-tokens` tokens, and TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
@@ -174,7 +176,7 @@ def troupe_kernels(args, criterion_dir, preset):
     else:
         timing = []
     env = {"TROUPE_DEVICE": args.device, "TROUPE_DTYPE": args.dtype, "CARGO_TARGET_DIR": args.target_dir,
-           "TROUPE_ATTENTION": "materialized", "TROUPE_BENCH_PRESETS": preset}
+           "TROUPE_ATTENTION": "materialized", "TROUPE_BENCH_PRESETS": preset, "TROUPE_GPU_KERNELS": "troupe"}
     # benches/adapters.rs names the small preset's groups without a suffix.
     suffix = "" if preset == "small" else f"_{preset}"
     model = {f"prefill_{preset}/b1x128": "prefill_tok_s_b1", f"prefill_{preset}/b16x128": "prefill_tok_s_b16",
@@ -197,6 +199,11 @@ def troupe_kernels(args, criterion_dir, preset):
         else:
             out["attention_flash"] = figures
             out["attention_flash_over_materialized"] = {key: figures[key] / out[key] for key in figures}
+    if getattr(args, "burn_kernels", False):
+        run([*bench("model"), f"^(prefill|decode)_{re.escape(preset)}/", *timing], {**env, "TROUPE_GPU_KERNELS": "burn"})
+        figures = tokens_per_second(criterion_dir, model)
+        out["burn_kernels"] = figures
+        out["troupe_kernels_over_burn"] = {key: out[key] / figures[key] for key in figures}
     lora, mixed = f"lora_train_step{suffix}", f"mixed32x64_forward{suffix}"
     run([*bench("adapters"), f"^({re.escape(lora)}/|{re.escape(mixed)}/one_pass/)", *timing], env)
     out.update(tokens_per_second(criterion_dir, {f"{lora}/b8x128": "lora_train_tok_s_b8x128"}))
@@ -277,6 +284,9 @@ def main():
     p.add_argument("--attention-kernels", default="materialized,flash",
                    help="the attention kernels the prefill / decode benchmarks run with: materialized (compared "
                         "with PyTorch), flash (reported against materialized), or both")
+    p.add_argument("--burn-kernels", action="store_true",
+                   help="run the prefill / decode benchmarks once more with burn's composites in place of troupe's "
+                        "GPU kernels (TROUPE_GPU_KERNELS=burn), to compare the two")
     p.add_argument("--kernel-profile", action="store_true",
                    help="after each --preset's iterations, one more troupe run of the same shape with "
                         "--profile-kernels (launches and device time per phase and kernel; a debug aid, "

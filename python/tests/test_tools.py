@@ -60,6 +60,25 @@ def test_gpu_figures_runs_only_the_attention_kernels_asked_for(monkeypatch):
     assert kernels == ["materialized", "flash", "materialized"] and out["attention_flash_over_materialized"]
 
 
+def test_gpu_figures_burn_kernels_runs_the_model_once_more_with_burns_composites(monkeypatch):
+    runs = []
+    def run(cmd, env=None, log=None):
+        runs.append((cmd[2] if len(cmd) > 2 else cmd[0], (env or {}).get("TROUPE_GPU_KERNELS")))
+
+    monkeypatch.setattr(gpu_figures, "run", run)
+    speed = iter([2.0, 1.0, 3.0])
+    monkeypatch.setattr(gpu_figures, "tokens_per_second",
+                        lambda root, names: {key: s for key, s in zip(names.values(), [next(speed)] * len(names))})
+    monkeypatch.setattr(gpu_figures.criterion_fastest, "load", lambda *a: {"mean": {"point_estimate": 2.0}})
+    args = gpu_figures.argparse.Namespace(device="cpu", dtype="f32", quick=True, bench_seconds=None, target_dir="t",
+                                          benches=None, attention_kernels="materialized", burn_kernels=True)
+    out = gpu_figures.troupe_kernels(args, "crit", "small")
+    # The model with troupe's kernels, then with burn's, then the adapters with troupe's.
+    assert [kernels for _, kernels in runs] == ["troupe", "burn", "troupe"]
+    assert out["decode_tok_s_b1"] == 2.0 and out["burn_kernels"]["decode_tok_s_b1"] == 1.0
+    assert out["troupe_kernels_over_burn"]["decode_tok_s_b1"] == 2.0
+
+
 def test_gpu_figures_refuses_attention_kernels_without_materialized(tmp_path):
     got = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_figures.py"), "--device", "cpu",
                           "--attention-kernels", "flash", "--out", str(tmp_path / "x.json")],

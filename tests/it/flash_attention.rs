@@ -11,7 +11,8 @@
 //! attention runs whatever the choice: every kernel gives the same bits, the fused kernel's within
 //! 1e-5 of the reference, and the flash entry reports why it ran the materialized kernel. The
 //! materialized kernel (on a GPU, troupe's softmax kernel between burn's products) matches burn's
-//! own attention within 1e-5 on any device, `wgpu` included.
+//! own attention within 1e-5 on any device; on `wgpu`, which has no flash kernel, the flash entry
+//! says so and runs burn's attention.
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
@@ -164,7 +165,7 @@ fn flash_matches_the_materialized_kernel_and_an_f64_reference() {
                 }
             }
         }
-        if on_gpu(&device) {
+        if troupe::device::is_cuda(&device) {
             assert_eq!(refusal, None, "{label}: the flash kernel must run");
             let worst = worst_error(&flash, &want);
             assert!(worst < 1e-3, "{label}: flash against the f64 reference: {worst}");
@@ -183,10 +184,16 @@ fn flash_matches_the_materialized_kernel_and_an_f64_reference() {
                 host(grouped_attention(qt.clone(), kt.clone(), vt.clone(), &mask)),
                 "{label}: its fallback"
             );
-            assert_eq!(auto, dispatched_flash, "{label}: the CPU ignores the choice");
-            assert_eq!(auto, materialized, "{label}: the CPU ignores the choice");
+            assert_eq!(auto, materialized, "{label}: auto is the materialized kernel");
+            if on_gpu(&device) {
+                // wgpu: no flash kernel; its entry falls back to burn's attention.
+                let worst = worst_error(dispatched_flash, materialized);
+                assert!(worst < 1e-5, "{label}: burn's attention against the materialized kernel: {worst}");
+            } else {
+                assert_eq!(auto, dispatched_flash, "{label}: the CPU ignores the choice");
+            }
             let worst = worst_error(auto, &want);
-            assert!(worst < 1e-5, "{label}: the fused kernel against the f64 reference: {worst}");
+            assert!(worst < tolerance(1e-5), "{label}: the materialized kernel against the f64 reference: {worst}");
         }
     }
 }

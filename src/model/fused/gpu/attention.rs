@@ -40,7 +40,7 @@ mod kernel {
         rows: usize,
         scale: f32,
         #[comptime] units: usize,
-        #[define(M)] _mask: ElemType,
+        #[define(M)] _mask_type: ElemType,
     ) {
         let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
         let unit = UNIT_POS_X as usize;
