@@ -64,10 +64,61 @@ impl Case {
         hidden
     }
 
+    /// Random queries, keys and values in [-2, 2) and the case's mask, on the host and on `device`.
+    fn inputs(&self, rng: &mut ChaCha8Rng, device: &Device) -> Inputs {
+        let Case { batch, heads, kv_heads, seq, room, dim, .. } = *self;
+        let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
+        let (q, k, v) = (
+            random(batch * heads * seq * dim),
+            random(batch * kv_heads * room * dim),
+            random(batch * kv_heads * room * dim),
+        );
+        let hidden = self.hidden();
+        let tensor =
+            |values: &[f32], dims: [usize; 4]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), dims), device);
+        Inputs {
+            qt: tensor(&q, [batch, heads, seq, dim]),
+            kt: tensor(&k, [batch, kv_heads, room, dim]),
+            vt: tensor(&v, [batch, kv_heads, room, dim]),
+            mask: Tensor::<4, Bool>::from_data(TensorData::new(hidden.clone(), [batch, 1, seq, room]), device),
+            host_mask: Arc::new(HostMask::new(hidden.clone(), [batch, seq, room])),
+            want: reference(self, &q, &k, &v, &hidden),
+        }
+    }
+
+    /// Asserts that the queries of a padded row that see no key got zeros in `got` (`[batch,
+    /// heads, seq, dim]`).
+    fn assert_blind_queries_are_zero(&self, got: &[f32], what: &str) {
+        let Case { batch, heads, seq, dim, .. } = *self;
+        for b in 1..batch {
+            for h in 0..heads {
+                for i in (0..seq).filter(|&i| self.past + i < 3 * b) {
+                    let row = ((b * heads + h) * seq + i) * dim;
+                    assert!(
+                        got[row..row + dim].iter().all(|&x| x == 0.0),
+                        "{}: {what}: row {b}, query {i} sees nothing",
+                        self.label()
+                    );
+                }
+            }
+        }
+    }
+
     fn label(&self) -> String {
         let Case { batch, heads, kv_heads, seq, past, room, dim } = self;
         format!("{batch} x {heads}/{kv_heads} heads x {seq} queries after {past}, {room} keys, dim {dim}")
     }
+}
+
+/// A case's inputs on the test device and the f64 reference's output for them.
+struct Inputs {
+    qt: Tensor<4>,
+    kt: Tensor<4>,
+    vt: Tensor<4>,
+    /// `[batch, 1, seq, room]`, `true` where hidden.
+    mask: Tensor<4, Bool>,
+    host_mask: Arc<HostMask>,
+    want: Vec<f32>,
 }
 
 /// `softmax(q k^T / sqrt(dim) + mask) v` in f64, query head `h` reading key/value head
@@ -123,26 +174,8 @@ fn flash_matches_the_materialized_kernel_and_an_f64_reference() {
     let device = test_device();
     let mut rng = ChaCha8Rng::seed_from_u64(21);
     for case in CASES {
-        let Case { batch, heads, kv_heads, seq, room, dim, .. } = case;
         let label = case.label();
-        let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
-        let (q, k, v) = (
-            random(batch * heads * seq * dim),
-            random(batch * kv_heads * room * dim),
-            random(batch * kv_heads * room * dim),
-        );
-        let hidden = case.hidden();
-        let tensor =
-            |values: &[f32], dims: [usize; 4]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), dims), &device);
-        let (qt, kt, vt) = (
-            tensor(&q, [batch, heads, seq, dim]),
-            tensor(&k, [batch, kv_heads, room, dim]),
-            tensor(&v, [batch, kv_heads, room, dim]),
-        );
-        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden.clone(), [batch, 1, seq, room]), &device);
-        let host_mask = Arc::new(HostMask::new(hidden.clone(), [batch, seq, room]));
-        let want = reference(&case, &q, &k, &v, &hidden);
-
+        let Inputs { qt, kt, vt, mask, host_mask, want } = case.inputs(&mut rng, &device);
         let (flash, refusal) = grouped_flash_attention(qt.clone(), kt.clone(), vt.clone(), &mask);
         let flash = host(flash);
         let by_kernel = [AttentionKernel::Auto, AttentionKernel::Flash, AttentionKernel::Materialized]
@@ -153,17 +186,7 @@ fn flash_matches_the_materialized_kernel_and_an_f64_reference() {
         {
             assert!(got.iter().all(|x| x.is_finite()), "{label}: {what}: finite");
             // A padded row's first queries see no key: zeros, in every kernel.
-            for b in 1..batch {
-                for h in 0..heads {
-                    for i in (0..seq).filter(|&i| case.past + i < 3 * b) {
-                        let row = ((b * heads + h) * seq + i) * dim;
-                        assert!(
-                            got[row..row + dim].iter().all(|&x| x == 0.0),
-                            "{label}: {what}: row {b}, query {i} sees nothing"
-                        );
-                    }
-                }
-            }
+            case.assert_blind_queries_are_zero(got, what);
         }
         if troupe::device::is_cuda(&device) {
             assert_eq!(refusal, None, "{label}: the flash kernel must run");
@@ -208,38 +231,15 @@ fn materialized_kernel_matches_burns_attention_and_an_f64_reference() {
     let device = test_device();
     let mut rng = ChaCha8Rng::seed_from_u64(22);
     for case in CASES {
-        let Case { batch, heads, kv_heads, seq, room, dim, .. } = case;
         let label = case.label();
-        let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
-        let (q, k, v) = (
-            random(batch * heads * seq * dim),
-            random(batch * kv_heads * room * dim),
-            random(batch * kv_heads * room * dim),
-        );
-        let hidden = case.hidden();
-        let tensor =
-            |values: &[f32], dims: [usize; 4]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), dims), &device);
-        let (qt, kt, vt) = (
-            tensor(&q, [batch, heads, seq, dim]),
-            tensor(&k, [batch, kv_heads, room, dim]),
-            tensor(&v, [batch, kv_heads, room, dim]),
-        );
-        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden.clone(), [batch, 1, seq, room]), &device);
-        let host_mask = Arc::new(HostMask::new(hidden.clone(), [batch, seq, room]));
+        let Inputs { qt, kt, vt, mask, host_mask, want } = case.inputs(&mut rng, &device);
         let got = host(attention(qt.clone(), kt.clone(), vt.clone(), &mask, &host_mask, AttentionKernel::Materialized));
         let burns = host(grouped_attention(qt, kt, vt, &mask));
         let worst = worst_error(&got, &burns);
         assert!(worst < 1e-5, "{label}: against burn's attention: {worst}");
-        let worst = worst_error(&got, &reference(&case, &q, &k, &v, &hidden));
+        let worst = worst_error(&got, &want);
         assert!(worst < tolerance(1e-5), "{label}: against the f64 reference: {worst}");
-        for b in 1..batch {
-            for h in 0..heads {
-                for i in (0..seq).filter(|&i| case.past + i < 3 * b) {
-                    let row = ((b * heads + h) * seq + i) * dim;
-                    assert!(got[row..row + dim].iter().all(|&x| x == 0.0), "{label}: row {b}, query {i} sees nothing");
-                }
-            }
-        }
+        case.assert_blind_queries_are_zero(&got, "materialized");
     }
 }
 

@@ -543,36 +543,46 @@ pub(super) const OPTIONS: AttentionModuleOptions =
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
 /// `[batch, 1, seq, keys]` -> `[batch, heads, seq, head_dim]`
 pub fn grouped_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: &Tensor<4, Bool>) -> Tensor<4> {
-    fold_query_heads(q, k, v, mask, |q, k, v, mask| burn_attention(q, k, v, Some(mask), None, OPTIONS))
+    fold_query_heads(q, k, v, |q, k, v, group| burn_attention(q, k, v, Some(folded_mask(mask, group)), None, OPTIONS))
 }
 
 /// Runs `attend`, an attention that wants as many key/value heads as query heads (or one), on
 /// grouped-query inputs without repeating the key/value heads: the `group` query heads of each
 /// key/value head are folded into its query positions, so keys and values are read once as they
-/// are and only the boolean mask is repeated (`group` times its rows). No key/value copy forward,
-/// no sum over the copies backward. `attend` gets the mask's rows in the folded queries' order.
+/// are. No key/value copy forward, no sum over the copies backward. `attend` also gets `group`:
+/// folded query row `g * seq + i` is query `i` of the group's head `g`, so it sees mask row `i`
+/// (row `r % seq`, or [`folded_mask`]'s row `r`).
 ///
 /// # Shapes
-/// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
-/// `[batch, 1, seq, keys]` -> `[batch, heads, seq, head_dim]`; `attend` takes `[batch, kv_heads,
-/// group * seq, head_dim]` queries, the keys and values, a `[batch, 1, group * seq, keys]` mask and
-/// returns `[batch, kv_heads, group * seq, head_dim]`
+/// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]` ->
+/// `[batch, heads, seq, head_dim]`; `attend` takes `[batch, kv_heads, group * seq, head_dim]`
+/// queries, the keys and values, and returns `[batch, kv_heads, group * seq, head_dim]`
 pub(super) fn fold_query_heads(
     q: Tensor<4>,
     k: Tensor<4>,
     v: Tensor<4>,
-    mask: &Tensor<4, Bool>,
-    attend: impl FnOnce(Tensor<4>, Tensor<4>, Tensor<4>, Tensor<4, Bool>) -> Tensor<4>,
+    attend: impl FnOnce(Tensor<4>, Tensor<4>, Tensor<4>, usize) -> Tensor<4>,
 ) -> Tensor<4> {
     let [batch, heads, seq, head_dim] = q.dims();
-    let [_, kv_heads, keys, _] = k.dims();
+    let kv_heads = k.dims()[1];
     let group = heads / kv_heads;
     if group == 1 {
-        return attend(q, k, v, mask.clone());
+        return attend(q, k, v, 1);
     }
     // Query head `h` reads key/value head `h / group`: `[batch, kv_heads, group, seq]` rows.
     let q = q.reshape([batch, kv_heads, group * seq, head_dim]);
-    let mask =
-        mask.clone().unsqueeze_dim::<5>(2).expand([batch, 1, group, seq, keys]).reshape([batch, 1, group * seq, keys]);
-    attend(q, k, v, mask).reshape([batch, heads, seq, head_dim])
+    attend(q, k, v, group).reshape([batch, heads, seq, head_dim])
+}
+
+/// The mask of [`fold_query_heads`]' folded queries: its rows repeated `group` times (a copy), for
+/// attentions that want one mask row per query row.
+///
+/// # Shapes
+/// `mask`: `[batch, 1, seq, keys]` -> `[batch, 1, group * seq, keys]`
+pub(super) fn folded_mask(mask: &Tensor<4, Bool>, group: usize) -> Tensor<4, Bool> {
+    if group == 1 {
+        return mask.clone();
+    }
+    let [batch, _, seq, keys] = mask.dims();
+    mask.clone().unsqueeze_dim::<5>(2).expand([batch, 1, group, seq, keys]).reshape([batch, 1, group * seq, keys])
 }

@@ -55,8 +55,8 @@ pub fn grouped_flash_attention(
     #[cfg(feature = "cuda")]
     if cube::plain_on_cube([&q, &k, &v]) {
         let mut refusal = None;
-        let out = super::attention::fold_query_heads(q, k, v, mask, |q, k, v, mask| {
-            let (out, refused) = cube::flash(q, k, v, mask);
+        let out = super::attention::fold_query_heads(q, k, v, |q, k, v, group| {
+            let (out, refused) = cube::flash(q, k, v, super::attention::folded_mask(mask, group));
             refusal = refused;
             out
         });

@@ -13,18 +13,18 @@
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::Cube;
-use burn::tensor::{Bool, DType, Tensor};
+use burn::tensor::{Bool, Tensor};
 use burn_cubecl::cubecl::ir::ElemType;
-use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::kernel::untile;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
-use super::MAX_GRID;
+use super::{empty_like, row_launch};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
+
+    use super::super::cube::{cube_reduce, cube_row};
 
     /// One cube per row of `scores` (`[batch, heads, rows, keys]`, any strides): `out`
     /// (contiguous, `scores`' shape) gets `softmax(scores * scale)` over the keys the mask
@@ -42,7 +42,7 @@ mod kernel {
         #[comptime] units: usize,
         #[define(M)] _mask_type: ElemType,
     ) {
-        let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+        let row = cube_row();
         let unit = UNIT_POS_X as usize;
         let stride = CUBE_DIM_X as usize;
         // Every unit of a cube takes the same branch, so the barriers below stay uniform.
@@ -70,19 +70,7 @@ mod kernel {
                 i += stride;
             }
             let mut partial = Shared::<[f32]>::new_slice(units);
-            partial[unit] = largest;
-            sync_cube();
-            let mut half = stride / 2;
-            while half > 0 {
-                if unit < half {
-                    let pair = max(partial[unit], partial[unit + half]);
-                    partial[unit] = pair;
-                }
-                sync_cube();
-                half /= 2;
-            }
-            let row_max = partial[0];
-            sync_cube();
+            let row_max = cube_reduce(&mut partial, largest, true);
 
             let mut sum = 0.0f32;
             let mut i = unit;
@@ -92,18 +80,7 @@ mod kernel {
                 }
                 i += stride;
             }
-            partial[unit] = sum;
-            sync_cube();
-            let mut half = stride / 2;
-            while half > 0 {
-                if unit < half {
-                    let pair = partial[unit] + partial[unit + half];
-                    partial[unit] = pair;
-                }
-                sync_cube();
-                half /= 2;
-            }
-            let total = partial[0];
+            let total = cube_reduce(&mut partial, sum, false);
 
             let mut i = unit;
             while i < keys {
@@ -123,21 +100,18 @@ pub fn applies(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, mask: &Tensor<4, Boo
 }
 
 /// Masked grouped-query attention, scale `1 / sqrt(head_dim)`: the query heads of each
-/// key/value head folded into its rows, the scores' product, [`masked_softmax`], the values'
-/// product. For tensors [`applies`] accepts; burn's materialized attention otherwise.
+/// key/value head folded into its rows (`fused::attention`'s `fold_query_heads`), the scores'
+/// product, [`masked_softmax`] reading the mask as it is, the values' product. For tensors
+/// [`applies`] accepts; burn's materialized attention otherwise.
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
 /// `[batch, 1, seq, keys]` (`true`: hidden) -> `[batch, heads, seq, head_dim]`
 pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: &Tensor<4, Bool>) -> Tensor<4> {
-    let [batch, heads, seq, head_dim] = q.dims();
-    let kv_heads = k.dims()[1];
-    let group = heads / kv_heads;
-    // Query head `h` reads key/value head `h / group`: `[batch, kv_heads, group * seq]` rows.
-    let q = q.reshape([batch, kv_heads, group * seq, head_dim]);
-    let scores = q.matmul(k.transpose());
-    let probabilities = masked_softmax(scores, mask, (1.0 / (head_dim as f64).sqrt()) as f32);
-    probabilities.matmul(v).reshape([batch, heads, seq, head_dim])
+    let scale = (1.0 / (q.dims()[3] as f64).sqrt()) as f32;
+    super::super::attention::fold_query_heads(q, k, v, |q, k, v, _group| {
+        masked_softmax(q.matmul(k.transpose()), mask, scale).matmul(v)
+    })
 }
 
 /// `softmax(scores * scale)` over the keys `mask` leaves visible, one kernel launch.
@@ -154,17 +128,17 @@ fn masked_softmax(scores: Tensor<4>, mask: &Tensor<4, Bool>, scale: f32) -> Tens
     };
     let (sp, mp) = (untile(sp), untile(mp));
     let mask_type = dtype_to_storage_type(mp.dtype);
-    let out = empty_device_contiguous_dtype(sp.client.clone(), sp.device.clone(), sp.meta.shape().clone(), DType::F32);
+    let out = empty_like(&sp);
     let all_rows = batch * heads * rows;
     if all_rows == 0 || keys == 0 {
         return Tensor::from_primitive::<Cube>(out);
     }
-    let units = keys.next_power_of_two().clamp(32, 256);
+    let (count, cube_dim, units) = row_launch(all_rows, keys);
     let client = sp.client.clone();
     kernel::masked_softmax_kernel::launch(
         &client,
-        CubeCount::Static(all_rows.min(MAX_GRID) as u32, all_rows.div_ceil(MAX_GRID) as u32, 1),
-        CubeDim::new_1d(units as u32),
+        count,
+        cube_dim,
         sp.into_tensor_arg(),
         mp.into_tensor_arg(),
         out.clone().into_tensor_arg(),

@@ -16,6 +16,9 @@ use std::sync::OnceLock;
 
 use burn::backend::DispatchDevice;
 use burn::tensor::{DType, Tensor};
+use burn_cubecl::cubecl::calculate_cube_count_elemwise;
+use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 mod attention;
 mod rms_norm;
@@ -31,6 +34,9 @@ pub use swiglu::swiglu;
 /// The most cubes a grid dimension holds on every cubecl runtime (Vulkan's minimum).
 const MAX_GRID: usize = 65_535;
 
+/// A burn tensor primitive on a cubecl device (its float and bool tensors alike).
+type Primitive = burn_cubecl::tensor::CubeTensor;
+
 /// Whether these kernels run at all: `TROUPE_GPU_KERNELS` ([`crate::device::fused_gpu_kernels`],
 /// read once; the binary refuses a value it does not know before any work).
 pub fn enabled() -> bool {
@@ -45,4 +51,61 @@ pub fn takes<const D: usize>(tensor: &Tensor<D>) -> bool {
         && !tensor.is_autodiff()
         && tensor.dtype() == DType::F32
         && matches!(tensor.device().as_dispatch(), DispatchDevice::Cube(_))
+}
+
+/// An empty contiguous f32 tensor of `like`'s shape on its device, for a kernel's output.
+fn empty_like(like: &Primitive) -> Primitive {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), like.meta.shape().clone(), DType::F32)
+}
+
+/// The launch of an element-wise kernel over `count` values: one unit per value, 256 a cube.
+fn elementwise_launch(like: &Primitive, count: usize) -> (CubeCount, CubeDim) {
+    let cube_dim = CubeDim::new_1d(256);
+    (calculate_cube_count_elemwise(&like.client, count, cube_dim), cube_dim)
+}
+
+/// The launch of a row kernel over `rows` rows of `width` values: one cube per row (the grid
+/// split over two dimensions past [`MAX_GRID`] rows), its size the power of two from 32 to 256
+/// nearest above `width`. Returns the cube count, the cube's size and its units.
+fn row_launch(rows: usize, width: usize) -> (CubeCount, CubeDim, usize) {
+    let units = width.next_power_of_two().clamp(32, 256);
+    let count = CubeCount::Static(rows.min(MAX_GRID) as u32, rows.div_ceil(MAX_GRID) as u32, 1);
+    (count, CubeDim::new_1d(units as u32), units)
+}
+
+/// Functions the kernels share, with cubecl's `Tensor` (not burn's) in scope.
+mod cube {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    /// The row a cube of a [`super::row_launch`] takes.
+    #[cube]
+    pub(super) fn cube_row() -> usize {
+        (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize
+    }
+
+    /// Stores `value`, this unit's share, in `partial` (one slot per unit of the cube, a power of
+    /// two) and returns the whole cube's sum, or its maximum if `take_max`, reduced as a tree in
+    /// shared memory. Every unit of the cube must call it; `partial` may be reused afterwards.
+    #[cube]
+    pub(super) fn cube_reduce(partial: &mut Shared<[f32]>, value: f32, #[comptime] take_max: bool) -> f32 {
+        let unit = UNIT_POS_X as usize;
+        partial[unit] = value;
+        sync_cube();
+        let mut half = CUBE_DIM_X as usize / 2;
+        while half > 0 {
+            if unit < half {
+                let a = partial[unit];
+                let b = partial[unit + half];
+                let pair = if take_max { max(a, b) } else { a + b };
+                partial[unit] = pair;
+            }
+            sync_cube();
+            half /= 2;
+        }
+        let whole = partial[0];
+        // Every unit has read the result before any writes `partial` again.
+        sync_cube();
+        whole
+    }
 }

@@ -9,17 +9,17 @@
 //! per-head q and k norms read the stacked q/k/v product's columns) is read in place.
 
 use burn::backend::Cube;
-use burn::tensor::{DType, Tensor};
-use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
-use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn::tensor::Tensor;
+use burn_cubecl::kernel::{into_contiguous, untile};
 
-use super::MAX_GRID;
+use super::{empty_like, row_launch};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
+
+    use super::super::cube::{cube_reduce, cube_row};
 
     /// One cube per row of `x` (`[..., width]`, any strides): `out` (contiguous, `x`'s shape) gets
     /// `x / sqrt(mean(x^2) + eps) * weight`. `units` is the cube's size, a power of two.
@@ -32,7 +32,7 @@ mod kernel {
         eps: f32,
         #[comptime] units: usize,
     ) {
-        let row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize;
+        let row = cube_row();
         let unit = UNIT_POS_X as usize;
         let units_here = CUBE_DIM_X as usize;
         // Every unit of a cube takes the same branch, so the barriers below stay uniform.
@@ -59,18 +59,8 @@ mod kernel {
                 i += units_here;
             }
             let mut partial = Shared::<[f32]>::new_slice(units);
-            partial[unit] = sum;
-            sync_cube();
-            let mut half = units_here / 2;
-            while half > 0 {
-                if unit < half {
-                    let pair = partial[unit] + partial[unit + half];
-                    partial[unit] = pair;
-                }
-                sync_cube();
-                half /= 2;
-            }
-            let inverse = 1.0f32 / f32::sqrt(partial[0] / f32::cast_from(width) + eps);
+            let total = cube_reduce(&mut partial, sum, false);
+            let inverse = 1.0f32 / f32::sqrt(total / f32::cast_from(width) + eps);
 
             let mut i = unit;
             while i < width {
@@ -94,19 +84,17 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
         return super::super::rms_norm::composite(x, weight, eps);
     };
     // A matmul's output may be stored in tiles; the kernel reads rows.
-    let (xp, wp) = (burn_cubecl::kernel::untile(xp), into_contiguous(wp));
-    let out = empty_device_contiguous_dtype(xp.client.clone(), xp.device.clone(), xp.meta.shape().clone(), DType::F32);
+    let (xp, wp) = (untile(xp), into_contiguous(wp));
+    let out = empty_like(&xp);
     if rows == 0 || width == 0 {
         return Tensor::from_primitive::<Cube>(out);
     }
-    let units = width.next_power_of_two().clamp(32, 256);
-    let grid_x = rows.min(MAX_GRID);
-    let grid_y = rows.div_ceil(MAX_GRID);
+    let (count, cube_dim, units) = row_launch(rows, width);
     let client = xp.client.clone();
     kernel::rms_norm_kernel::launch(
         &client,
-        CubeCount::Static(grid_x as u32, grid_y as u32, 1),
-        CubeDim::new_1d(units as u32),
+        count,
+        cube_dim,
         xp.into_tensor_arg(),
         wp.into_tensor_arg(),
         out.clone().into_tensor_arg(),

@@ -8,14 +8,10 @@
 //! into one fused multiply-add, so values may differ from the composite's in the last bit.
 
 use burn::backend::Cube;
-use burn::tensor::{DType, Tensor};
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
-use burn_cubecl::cubecl::prelude::CubeDim;
+use burn::tensor::Tensor;
 use burn_cubecl::kernel::untile;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
-/// Units per cube.
-const UNITS: u32 = 256;
+use super::{elementwise_launch, empty_like};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -63,16 +59,16 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
         return super::super::rope::composite(x, cos, sin);
     };
     let (xp, cp, sp) = (untile(xp), untile(cp), untile(sp));
-    let out = empty_device_contiguous_dtype(xp.client.clone(), xp.device.clone(), xp.meta.shape().clone(), DType::F32);
+    let out = empty_like(&xp);
     let count = x.dims().iter().product::<usize>();
     if count == 0 {
         return Tensor::from_primitive::<Cube>(out);
     }
+    let (cube_count, cube_dim) = elementwise_launch(&xp, count);
     let client = xp.client.clone();
-    let cube_dim = CubeDim::new_1d(UNITS);
     kernel::rope_kernel::launch(
         &client,
-        calculate_cube_count_elemwise(&client, count, cube_dim),
+        cube_count,
         cube_dim,
         xp.into_tensor_arg(),
         cp.into_tensor_arg(),

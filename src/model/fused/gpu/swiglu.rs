@@ -6,14 +6,10 @@
 //! two halves of the stacked gate/up product, read in place).
 
 use burn::backend::Cube;
-use burn::tensor::{DType, Tensor};
-use burn_cubecl::cubecl::calculate_cube_count_elemwise;
-use burn_cubecl::cubecl::prelude::CubeDim;
+use burn::tensor::Tensor;
 use burn_cubecl::kernel::untile;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
-/// Units per cube.
-const UNITS: u32 = 256;
+use super::{elementwise_launch, empty_like};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -57,16 +53,16 @@ pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
         return burn::tensor::activation::silu(gate) * up;
     };
     let (gp, up_p) = (untile(gp), untile(up_p));
-    let out = empty_device_contiguous_dtype(gp.client.clone(), gp.device.clone(), gp.meta.shape().clone(), DType::F32);
+    let out = empty_like(&gp);
     let count = gate.dims().iter().product::<usize>();
     if count == 0 {
         return Tensor::from_primitive::<Cube>(out);
     }
+    let (cube_count, cube_dim) = elementwise_launch(&gp, count);
     let client = gp.client.clone();
-    let cube_dim = CubeDim::new_1d(UNITS);
     kernel::swiglu_kernel::launch(
         &client,
-        calculate_cube_count_elemwise(&client, count, cube_dim),
+        cube_count,
         cube_dim,
         gp.into_tensor_arg(),
         up_p.into_tensor_arg(),
