@@ -2,14 +2,15 @@
 //! with the API multi-adapter frameworks use (`create_adapters`, `activate_adapter`,
 //! `save_adapters`, ...) and the per-row adapter selection a training engine needs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use burn::tensor::Device;
 
 use super::config::AdapterConfig;
 use super::lora::LoraAdapter;
-use super::mixed::MixedLora;
+use super::mixed::{MixedLora, StackedFactors};
 use super::peft::{read_adapters_dir, write_adapters_dir, AdapterMode, Manifest};
 use crate::error::{ModelError, Result, TroupeError};
 use crate::model::ModelConfig;
@@ -31,6 +32,24 @@ pub struct MultiAdapterManager {
     active: Option<usize>,
     /// The base model's fingerprint, recorded on save and checked on load (when known).
     base_fingerprint: Option<String>,
+    /// The constant adapters' stacked factors, reused by every batch over the same adapters
+    /// until one changes.
+    stacked: FactorCache,
+}
+
+/// The stacked factors of constant (non-trainable) mixed batches, by the adapters' names in
+/// stacking order and whether every row uses the one adapter. Every method that changes an
+/// adapter empties it ([`MultiAdapterManager::adapters_changed`]).
+#[derive(Debug, Default)]
+struct FactorCache(Mutex<HashMap<(Vec<String>, bool), Arc<StackedFactors>>>);
+
+/// The most lists of adapters the cache keeps (a rollout uses a few); past it, it starts afresh.
+const CACHED_LISTS: usize = 64;
+
+impl Clone for FactorCache {
+    fn clone(&self) -> Self {
+        Self(Mutex::new(self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()))
+    }
 }
 
 impl MultiAdapterManager {
@@ -44,7 +63,14 @@ impl MultiAdapterManager {
             agents: BTreeMap::new(),
             active: None,
             base_fingerprint: None,
+            stacked: FactorCache::default(),
         }
+    }
+
+    /// Forgets the stacked factors of the adapters as they were: called by every method that
+    /// changes an adapter.
+    fn adapters_changed(&mut self) {
+        self.stacked.0.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     /// A manager for `model`, which records its base fingerprint with saved adapters and warns
@@ -75,6 +101,7 @@ impl MultiAdapterManager {
     /// (agent i uses seed + i).
     pub fn create_adapters_seeded(&mut self, num_agents: usize, config: &AdapterConfig, seed: u64) -> Result<()> {
         config.validate(Path::new("adapter config"))?;
+        self.adapters_changed();
         self.adapters.clear();
         self.agents.clear();
         self.mode = AdapterMode::PerAgent;
@@ -93,6 +120,7 @@ impl MultiAdapterManager {
     /// Shared-parameter mode: one adapter (`shared`) that all `num_agents` agents use.
     pub fn create_shared_adapter(&mut self, num_agents: usize, config: &AdapterConfig, seed: u64) -> Result<()> {
         config.validate(Path::new("adapter config"))?;
+        self.adapters_changed();
         self.adapters.clear();
         self.agents.clear();
         self.mode = AdapterMode::Shared;
@@ -147,12 +175,14 @@ impl MultiAdapterManager {
     /// Replaces an agent's adapter weights (after an optimizer step); the shapes must match.
     pub fn set_adapter(&mut self, agent_id: usize, adapter: LoraAdapter) -> Result<()> {
         let name = self.adapter_name(agent_id)?.to_string();
+        self.adapters_changed();
         self.adapters.insert(name, adapter.frozen());
         Ok(())
     }
 
     /// Adds (or replaces) one agent's adapter under `name` (per-agent mode).
     pub fn add_adapter(&mut self, agent_id: usize, name: &str, adapter: LoraAdapter) {
+        self.adapters_changed();
         self.mode = AdapterMode::PerAgent;
         if let Some(old) = self.agents.insert(agent_id, name.to_string()) {
             if !self.agents.values().any(|n| n == &old) {
@@ -165,6 +195,7 @@ impl MultiAdapterManager {
     /// Removes an agent's adapter (the agent then has none).
     pub fn remove_adapter(&mut self, agent_id: usize) -> Result<LoraAdapter> {
         let name = self.agents.remove(&agent_id).ok_or_else(|| self.unknown(agent_id))?;
+        self.adapters_changed();
         if self.active == Some(agent_id) {
             self.active = None;
         }
@@ -219,8 +250,28 @@ impl MultiAdapterManager {
                 (n.clone(), if trainable { adapter.trainable() } else { adapter.clone() })
             })
             .collect();
-        let refs: Vec<&LoraAdapter> = names.iter().map(|n| &used[n]).collect();
-        let mixed = MixedLora::new(&refs, &slots, &self.base, &self.device);
+        if trainable {
+            let refs: Vec<&LoraAdapter> = names.iter().map(|n| &used[n]).collect();
+            return Ok((MixedLora::new(&refs, &slots, &self.base, &self.device), used));
+        }
+        // Every adapter named is used, in the order of the slots.
+        let (in_use, shared) = StackedFactors::layout(&slots);
+        let key = (names, shared.is_some());
+        let mut cache = self.stacked.0.lock().unwrap_or_else(|e| e.into_inner());
+        let factors = match cache.get(&key) {
+            Some(factors) => factors.clone(),
+            None => {
+                let refs: Vec<&LoraAdapter> = key.0.iter().map(|n| &self.adapters[n]).collect();
+                let factors = Arc::new(StackedFactors::new(&refs, &in_use, shared, &self.base, &self.device));
+                if cache.len() >= CACHED_LISTS {
+                    cache.clear();
+                }
+                cache.insert(key, factors.clone());
+                factors
+            }
+        };
+        drop(cache);
+        let mixed = MixedLora::with_factors(factors, &slots, &self.device);
         Ok((mixed, used))
     }
 
@@ -279,6 +330,7 @@ impl MultiAdapterManager {
             })?;
             agents.insert(id, name.clone());
         }
+        self.adapters_changed();
         self.mode = manifest.mode;
         self.adapters = adapters;
         self.active = agents.keys().next().copied();

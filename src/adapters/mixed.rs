@@ -5,13 +5,15 @@
 //! is the sum of their ranks, and the update is two products over the whole batch with a 0/1
 //! mask between them that keeps, in each row, only the rank columns of that row's adapter:
 //! `delta[row] = ((x[row] A^T) * mask[row]) B^T`. However many adapters are mixed, a site costs
-//! two products and one multiply, the factors are stacked once per batch (not copied per row),
-//! and rows without an adapter have an all-zero mask row. The mask's zeros stop every gradient
+//! two products and one multiply, the factors are stacked once per batch (not copied per row;
+//! [`StackedFactors`] lets a caller whose adapters do not change stack them once for all its
+//! batches), and rows without an adapter have an all-zero mask row. The mask's zeros stop every gradient
 //! between a row and the factors of another adapter: each adapter's factors are given exactly
 //! the sums of its own rows' gradients, which is what isolates agents' gradients by construction.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use rand::{Rng, SeedableRng};
@@ -40,7 +42,8 @@ struct Dropout {
 
 /// A [`ProjectionDelta`] applying a per-row choice of LoRA adapters.
 pub struct MixedLora {
-    sites: HashMap<Site, SiteFactors>,
+    /// The adapters' factors at every site, shared by batches over the same adapters.
+    factors: Arc<StackedFactors>,
     /// One `[batch, R]` 0/1 mask per distinct list of stacked adapters (sites targeted by the
     /// same adapters share one): row `i` keeps the rank columns of its own adapter.
     masks: Vec<Tensor<2>>,
@@ -48,6 +51,20 @@ pub struct MixedLora {
     rows: Vec<Option<usize>>,
     dropout: Option<Dropout>,
     device: Device,
+}
+
+/// Every site's factors for one list of adapters: the part of a [`MixedLora`] that does not
+/// depend on which row uses which adapter. A caller that keeps its adapters unchanged builds it
+/// once and gives it to every batch over them ([`MixedLora::with_factors`]), so the factors are
+/// stacked and scaled once, not at every decision round of a rollout.
+#[derive(Clone, Debug)]
+pub struct StackedFactors {
+    sites: HashMap<Site, SiteFactors>,
+    /// Per distinct list of stacked adapters, in the order the sites first use it: the list and
+    /// each adapter's rank (its rank mask's layout).
+    stackings: Vec<(Vec<usize>, Vec<usize>)>,
+    /// The adapter every row uses, when every row uses the same one.
+    shared: Option<usize>,
 }
 
 /// The scales of a stacked `B`'s rank columns: one for all, or `[1, R]`, each column its
@@ -77,23 +94,34 @@ fn rank_mask(stacked: &[usize], ranks: &[usize], rows: &[Option<usize>], device:
     Tensor::from_data(TensorData::new(values, [rows.len(), width]), device)
 }
 
-impl MixedLora {
-    /// Prepares the factors for a batch where row `i` uses `adapters[rows[i]]`, or no adapter
-    /// when `rows[i]` is `None`. Differentiable: gradients reach the adapters' tensors.
-    pub fn new(adapters: &[&LoraAdapter], rows: &[Option<usize>], base: &ModelConfig, device: &Device) -> Self {
-        let used: Vec<usize> = {
-            let mut used: Vec<usize> = rows.iter().flatten().copied().collect();
-            used.sort_unstable();
-            used.dedup();
-            used
-        };
+impl StackedFactors {
+    /// The adapters a batch with these rows uses (sorted, distinct), and the one every row uses
+    /// if every row uses the same one.
+    pub fn layout(rows: &[Option<usize>]) -> (Vec<usize>, Option<usize>) {
+        let mut used: Vec<usize> = rows.iter().flatten().copied().collect();
+        used.sort_unstable();
+        used.dedup();
         let shared = match used.as_slice() {
             [only] if rows.iter().all(|r| r.is_some()) => Some(*only),
             _ => None,
         };
+        (used, shared)
+    }
+
+    /// The factors of `adapters[k]` for each `k` in `used` (sorted, distinct), at every site
+    /// one of them targets: stacked along the rank (each `B` scaled by its adapter's scale), or,
+    /// when `shared`, that one adapter's `A` and scaled `B`. Differentiable: gradients reach the
+    /// adapters' tensors.
+    pub fn new(
+        adapters: &[&LoraAdapter],
+        used: &[usize],
+        shared: Option<usize>,
+        base: &ModelConfig,
+        device: &Device,
+    ) -> Self {
         let mut sites = HashMap::new();
-        let mut masks = Vec::new();
-        // By list of stacked adapters: its mask's index in `masks`, and its columns' scales.
+        let mut stackings = Vec::new();
+        // By list of stacked adapters: its index in `stackings`, and its columns' scales.
         let mut stacking: HashMap<Vec<usize>, (usize, ColumnScale)> = HashMap::new();
         for layer in 0..base.num_hidden_layers {
             for projection in Projection::ALL {
@@ -111,7 +139,6 @@ impl MixedLora {
                 }
                 let (mask, scale) = stacking.entry(targeting.clone()).or_insert_with(|| {
                     let ranks: Vec<usize> = targeting.iter().map(|&k| adapters[k].config.r).collect();
-                    masks.push(rank_mask(&targeting, &ranks, rows, device));
                     let scales: Vec<f32> = targeting.iter().map(|&k| adapters[k].config.scale() as f32).collect();
                     let scale = if scales.iter().all(|&s| s == scales[0]) {
                         ColumnScale::Uniform(scales[0])
@@ -121,7 +148,8 @@ impl MixedLora {
                         let width = per_column.len();
                         ColumnScale::PerColumn(Tensor::from_data(TensorData::new(per_column, [1, width]), device))
                     };
-                    (masks.len() - 1, scale)
+                    stackings.push((targeting.clone(), ranks));
+                    (stackings.len() - 1, scale)
                 });
                 let pairs: Vec<_> = targeting.iter().map(|&k| &adapters[k].pairs[&site]).collect();
                 let a = Tensor::cat(pairs.iter().map(|p| p.a.clone()).collect(), 0);
@@ -135,7 +163,28 @@ impl MixedLora {
                 sites.insert(site, SiteFactors::Stacked { a, b_scaled, mask });
             }
         }
-        Self { sites, masks, rows: rows.to_vec(), dropout: None, device: device.clone() }
+        Self { sites, stackings, shared }
+    }
+}
+
+impl MixedLora {
+    /// Prepares the factors for a batch where row `i` uses `adapters[rows[i]]`, or no adapter
+    /// when `rows[i]` is `None`. Differentiable: gradients reach the adapters' tensors.
+    pub fn new(adapters: &[&LoraAdapter], rows: &[Option<usize>], base: &ModelConfig, device: &Device) -> Self {
+        let (used, shared) = StackedFactors::layout(rows);
+        let factors = StackedFactors::new(adapters, &used, shared, base, device);
+        Self::with_factors(Arc::new(factors), rows, device)
+    }
+
+    /// A batch over factors built for its rows' [`StackedFactors::layout`] (the same adapters,
+    /// the same shared one; checked in debug builds): only the rows' rank masks are made.
+    pub fn with_factors(factors: Arc<StackedFactors>, rows: &[Option<usize>], device: &Device) -> Self {
+        debug_assert!(
+            factors.shared.is_none_or(|k| rows.iter().all(|r| *r == Some(k))),
+            "factors shared by every row need rows that all use their adapter"
+        );
+        let masks = factors.stackings.iter().map(|(stacked, ranks)| rank_mask(stacked, ranks, rows, device)).collect();
+        Self { factors, masks, rows: rows.to_vec(), dropout: None, device: device.clone() }
     }
 
     /// Applies dropout to the adapters' input (training only): row `i` with probability
@@ -168,7 +217,7 @@ impl MixedLora {
     /// # Shapes
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     fn delta_of(&self, layer: usize, projection: Projection, x: &Tensor<3>, tracked: bool) -> Option<Tensor<3>> {
-        let factors = self.sites.get(&(layer, projection))?;
+        let factors = self.factors.sites.get(&(layer, projection))?;
         let x = self.dropped(x);
         let plain = |t: &Tensor<2>| if tracked { t.clone() } else { t.clone().without_autodiff() };
         let [batch, seq, fan_in] = x.dims();
@@ -250,7 +299,7 @@ impl ProjectionDelta for MixedLora {
         );
         let masks = self.masks.iter().map(|mask| mask.clone().select(0, index.clone())).collect();
         Some(Box::new(MixedLora {
-            sites: self.sites.clone(),
+            factors: self.factors.clone(),
             masks,
             rows: rows.iter().map(|&r| self.rows[r]).collect(),
             dropout: None,

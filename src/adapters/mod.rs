@@ -12,6 +12,6 @@ pub mod peft;
 pub use config::AdapterConfig;
 pub use lora::{LoraAdapter, LoraPair, Site};
 pub use manager::{MultiAdapterManager, SHARED_ADAPTER};
-pub use mixed::MixedLora;
+pub use mixed::{MixedLora, StackedFactors};
 pub use optim::{AdamWConfig, AdamWState};
 pub use peft::{AdapterMode, Manifest};

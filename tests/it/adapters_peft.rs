@@ -69,6 +69,62 @@ fn fixture_adapters_match_peft_alone_and_mixed() {
     }
 }
 
+/// A manager stacks the factors of a list of constant adapters once and reuses them for every
+/// batch over those adapters; changing an adapter (set, add, remove, load) makes the next batch
+/// use the new factors. Checked against PEFT's log-probs of the fixture's mixed batch.
+#[test]
+fn mixed_batches_follow_a_managers_adapters_when_they_change() {
+    let dir = models_dir().join("tiny-qwen3");
+    let model = common::load_f32(&dir);
+    let mut manager = manager_for(&model, &dir);
+    let mixed = &expected(&dir)["mixed_batch"];
+    let rows: Vec<Option<usize>> = mixed["adapter_names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().strip_prefix("agent_").map(|i| i.parse().unwrap()))
+        .collect();
+    let tokens: Vec<Vec<u32>> = mixed["rows"].as_array().unwrap().iter().map(|r| ids(&r["input_ids"])).collect();
+    let peft: Vec<Vec<f32>> = mixed["rows"].as_array().unwrap().iter().map(|r| floats(&r["logprobs"])).collect();
+    let score = |manager: &MultiAdapterManager, rows: &[Option<usize>]| {
+        score_rows(&model.lm, &tokens, Some(&manager.mixed(rows, false).unwrap().0)).unwrap()
+    };
+    let matches_peft = |got: &[Vec<f32>], what: &str| {
+        for (row, (got, want)) in got.iter().zip(&peft).enumerate() {
+            let diff = max_abs_diff(got, want);
+            assert!(diff < tolerance(1e-3), "{what}: row {row} differs from PEFT by {diff}");
+        }
+    };
+    let first = score(&manager, &rows);
+    matches_peft(&first, "first batch");
+    assert_eq!(score(&manager, &rows), first, "a second batch over the same adapters");
+    let everyone = |agent| vec![Some(agent); tokens.len()];
+    let (as_0, as_1) = (score(&manager, &everyone(0)), score(&manager, &everyone(1)));
+    assert_ne!(as_0, as_1, "the fixture's two adapters differ");
+
+    // Agent 0 takes agent 1's adapter: every batch naming agent 0 follows.
+    let adapter_1 = manager.adapter(1).unwrap().clone();
+    manager.set_adapter(0, adapter_1.clone()).unwrap();
+    assert_eq!(score(&manager, &everyone(0)), as_1, "after set_adapter, all rows on agent 0");
+    let swapped: Vec<Option<usize>> = rows.iter().map(|r| r.map(|_| 0)).collect();
+    let want: Vec<Option<usize>> = rows.iter().map(|r| r.map(|_| 1)).collect();
+    assert_eq!(score(&manager, &swapped), score(&manager, &want), "after set_adapter, mixed with the base");
+
+    // Loading the fixture again brings agent 0's own adapter back.
+    manager.load_adapters(&dir.join("adapters")).unwrap();
+    assert_eq!(score(&manager, &rows), first, "after load_adapters");
+    assert_eq!(score(&manager, &everyone(0)), as_0, "after load_adapters, all rows on agent 0");
+
+    // Replaced under a new name, then removed.
+    manager.add_adapter(0, "other", adapter_1);
+    assert_eq!(score(&manager, &everyone(0)), as_1, "after add_adapter");
+    manager.remove_adapter(0).unwrap();
+    assert!(manager.mixed(&everyone(0), false).is_err(), "agent 0 has no adapter after remove_adapter");
+    let own = read_adapter_dir(&dir.join("adapters").join("agent_0"), &model.lm.config, model.lm.device()).unwrap();
+    manager.add_adapter(0, "agent_0", own);
+    assert_eq!(score(&manager, &rows), first, "agent 0's own adapter added back");
+}
+
 #[test]
 fn saving_loaded_adapters_gives_the_original_tensors_and_round_trips() {
     let device = common::test_device();
