@@ -41,7 +41,10 @@ pub struct MultiAdapterManager {
 /// stacking order and whether every row uses the one adapter. Every method that changes an
 /// adapter empties it ([`MultiAdapterManager::adapters_changed`]).
 #[derive(Debug, Default)]
-struct FactorCache(Mutex<HashMap<(Vec<String>, bool), Arc<StackedFactors>>>);
+struct FactorCache(Mutex<HashMap<FactorKey, Arc<StackedFactors>>>);
+
+/// The adapters' names in stacking order, and whether every row uses the one adapter.
+type FactorKey = (Vec<String>, bool);
 
 /// The most lists of adapters the cache keeps (a rollout uses a few); past it, it starts afresh.
 const CACHED_LISTS: usize = 64;

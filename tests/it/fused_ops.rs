@@ -502,6 +502,37 @@ fn rms_norm_without_gradients_matches_f64_on_the_test_device() {
     }
 }
 
+/// The scorer's log-probabilities without gradients on the test device (on a GPU troupe's one
+/// kernel) against an f64 reference: rows wider than a cube, logits read through a narrowed
+/// (strided) view, a row whose logits are all equal, and the first and last ids.
+#[test]
+fn token_logprobs_without_gradients_match_f64_on_the_test_device() {
+    let device = crate::common::test_device();
+    let mut rng = ChaCha8Rng::seed_from_u64(10);
+    // (rows, vocab, leading columns narrowed away)
+    for (rows, vocab, skip) in [(7, 5003, 0), (3, 40, 9), (2, 151_936, 0)] {
+        let columns = skip + vocab;
+        let mut x: Vec<f32> = (0..rows * columns).map(|_| rng.random_range(-12.0f32..12.0)).collect();
+        x[skip..columns].fill(0.5);
+        let mut targets: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
+        targets[0] = 0;
+        targets[rows - 1] = vocab as u32 - 1;
+        let stored = Tensor::<2>::from_data(TensorData::new(x.clone(), [rows, columns]), &device);
+        let got = token_logprobs(stored.narrow(1, skip, vocab), &targets);
+        let got = got.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        for (r, (&got, &target)) in got.iter().zip(&targets).enumerate() {
+            let row = &x[r * columns + skip..][..vocab];
+            let max = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+            let lse = row.iter().map(|&v| (f64::from(v) - max).exp()).sum::<f64>().ln() + max;
+            let want = f64::from(row[target as usize]) - lse;
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-5 * want.abs().max(1.0),
+                "{rows} x {vocab}, row {r}: {got} against {want}"
+            );
+        }
+    }
+}
+
 #[test]
 fn logsumexp_matches_the_composite() {
     use troupe::model::fused::logsumexp;

@@ -118,23 +118,37 @@ impl<C: CheckpointStrategy> TokenLogprobBackend for Autodiff<Flex, C> {
     }
 }
 
-/// `log softmax(logits[r])[targets[r]]` for each row: fused on the CPU, burn's ops elsewhere.
-/// Differentiable in `logits`.
+/// `log softmax(logits[r])[targets[r]]` for each row: fused on the CPU, one kernel on a GPU
+/// without gradients ([`super::gpu::token_logprobs`]), burn's composite elsewhere
+/// ([`composite`]). Differentiable in `logits`.
 ///
 /// # Shapes
 /// `logits`: `[rows, vocab]`, `targets`: one id below `vocab` per row -> `[rows]`
 pub fn token_logprobs(logits: Tensor<2>, targets: &[u32]) -> Tensor<1> {
     if !on_flex(&logits) {
         let [rows, _] = logits.dims();
-        let device = logits.device();
         let ids: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &device).reshape([rows, 1]);
-        let max = logits.clone().detach().max_dim(1);
-        let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
-        return (logits.gather(1, ids) - lse).reshape([rows]);
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &logits.device());
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if super::gpu::takes(&logits) {
+            return super::gpu::token_logprobs(logits, ids);
+        }
+        return composite(logits, ids);
     }
     let targets: Targets = targets.into();
     Tensor::from_dispatch(<Dispatch as TokenLogprobBackend>::token_logprobs(logits.into_dispatch(), targets))
+}
+
+/// burn's composite of [`token_logprobs`], with the targets on the logits' device: the maximum
+/// (detached), `lse = ln sum e^(x - max) + max`, the gathered targets minus `lse`.
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]`, `targets`: `[rows]` -> `[rows]`
+pub fn composite(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    let [rows, _] = logits.dims();
+    let max = logits.clone().detach().max_dim(1);
+    let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+    (logits.gather(1, targets.reshape([rows, 1])) - lse).reshape([rows])
 }
 
 /// Each row's `log sum e^x`, as a burn backend extension (the other half of a log-softmax

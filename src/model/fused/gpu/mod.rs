@@ -6,8 +6,9 @@
 //! - [`rope()`]: one kernel per rotation instead of six.
 //! - [`attention()`]: the two products around one softmax kernel instead of nine kernels, and
 //!   the grouped-query heads' mask read in place instead of repeated.
-//!
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
+//! - [`token_logprobs()`]: one kernel for the scorer's log-softmax at the targets instead of
+//!   eight.
 //!
 //! Each takes plain (non-autodiff) f32 tensors on a cubecl device ([`takes`]); under autodiff,
 //! for other dtypes, and with `TROUPE_GPU_KERNELS=burn`, burn's composites run.
@@ -15,7 +16,7 @@
 use std::sync::OnceLock;
 
 use burn::backend::DispatchDevice;
-use burn::tensor::{DType, Tensor};
+use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -24,12 +25,14 @@ mod attention;
 mod rms_norm;
 mod rope;
 mod swiglu;
+mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::attention;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use swiglu::swiglu;
+pub use token_logprob::token_logprobs;
 
 /// The most cubes a grid dimension holds on every cubecl runtime (Vulkan's minimum).
 const MAX_GRID: usize = 65_535;
@@ -55,7 +58,12 @@ pub fn takes<const D: usize>(tensor: &Tensor<D>) -> bool {
 
 /// An empty contiguous f32 tensor of `like`'s shape on its device, for a kernel's output.
 fn empty_like(like: &Primitive) -> Primitive {
-    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), like.meta.shape().clone(), DType::F32)
+    empty_of(like, like.meta.shape().clone())
+}
+
+/// An empty contiguous f32 tensor of `shape` on `like`'s device, for a kernel's output.
+fn empty_of(like: &Primitive, shape: Shape) -> Primitive {
+    empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, DType::F32)
 }
 
 /// The launch of an element-wise kernel over `count` values: one unit per value, 256 a cube.

@@ -1,0 +1,101 @@
+//! `log softmax(logits)[target]` for each row as one cubecl kernel, the scorer's step.
+//!
+//! burn's composite is a maximum, a subtraction, an exponential, a sum, a logarithm, an addition,
+//! a gather and a subtraction: eight kernels for each block of rows the scorer takes. Here one
+//! cube takes one row: its units reduce the row's maximum, then the sum of `e^(x - max)`, in
+//! shared memory, and one unit writes `x[target] - (ln sum + max)`, the composite's order of
+//! operations; only the sums run in another order.
+
+use burn::backend::cubecl::dtype_to_storage_type;
+use burn::backend::Cube;
+use burn::tensor::{Int, Shape, Tensor};
+use burn_cubecl::kernel::untile;
+
+use super::{empty_of, row_launch};
+
+/// The kernel, with cubecl's `Tensor` (not burn's) in scope.
+mod kernel {
+    use burn_cubecl::cubecl;
+    use burn_cubecl::cubecl::prelude::*;
+
+    use super::super::cube::{cube_reduce, cube_row};
+
+    /// One cube per row of `logits` (`[rows, vocab]`, any strides): `out[row]` (`[rows]`,
+    /// contiguous) gets `logits[row, targets[row]] - ln sum_v e^(logits[row, v])`. `units` is the
+    /// cube's size, a power of two.
+    #[cube(launch)]
+    pub(super) fn token_logprob_kernel<T: Numeric>(
+        logits: &Tensor<f32>,
+        targets: &Tensor<T>,
+        out: &mut Tensor<f32>,
+        rows: usize,
+        #[comptime] units: usize,
+        #[define(T)] _target_type: ElemType,
+    ) {
+        let row = cube_row();
+        let unit = UNIT_POS_X as usize;
+        let stride = CUBE_DIM_X as usize;
+        // Every unit of a cube takes the same branch, so the barriers below stay uniform.
+        if row < rows {
+            let vocab = logits.shape(1);
+            let start = row * logits.stride(0);
+            let step = logits.stride(1);
+
+            let mut largest = f32::new(-3.402_823_5e38f32);
+            let mut i = unit;
+            while i < vocab {
+                largest = max(largest, logits[start + i * step]);
+                i += stride;
+            }
+            let mut partial = Shared::<[f32]>::new_slice(units);
+            let row_max = cube_reduce(&mut partial, largest, true);
+
+            let mut sum = 0.0f32;
+            let mut i = unit;
+            while i < vocab {
+                sum += f32::exp(logits[start + i * step] - row_max);
+                i += stride;
+            }
+            let total = cube_reduce(&mut partial, sum, false);
+
+            if unit == 0 {
+                let target = usize::cast_from(targets[row * targets.stride(0)]);
+                out[row] = logits[start + target * step] - (f32::ln(total) + row_max);
+            }
+        }
+    }
+}
+
+/// Each row's `log softmax(logits)[target]` in one kernel launch, for plain f32 logits on a
+/// cubecl device ([`super::takes`]; burn's composite otherwise). `targets` must hold column
+/// indices below `vocab` (the scorer's token ids).
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]`, `targets`: `[rows]` -> `[rows]`
+pub fn token_logprobs(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    let [rows, vocab] = logits.dims();
+    let primitives = (logits.clone().try_into_primitive::<Cube>(), targets.clone().try_into_primitive::<Cube>());
+    let (Ok(lp), Ok(tp)) = primitives else {
+        return super::super::token_logprob::composite(logits, targets);
+    };
+    let lp = untile(lp);
+    let target_type = dtype_to_storage_type(tp.dtype);
+    let out = empty_of(&lp, Shape::new([rows]));
+    if rows == 0 || vocab == 0 {
+        return Tensor::from_primitive::<Cube>(out);
+    }
+    let (count, cube_dim, units) = row_launch(rows, vocab);
+    let client = lp.client.clone();
+    kernel::token_logprob_kernel::launch(
+        &client,
+        count,
+        cube_dim,
+        lp.into_tensor_arg(),
+        tp.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        rows,
+        units,
+        target_type,
+    );
+    Tensor::from_primitive::<Cube>(out)
+}
