@@ -7,9 +7,10 @@
 //! `delta[row] = ((x[row] A^T) * mask[row]) B^T`. However many adapters are mixed, a site costs
 //! two products and one multiply, the factors are stacked once per batch (not copied per row;
 //! [`StackedFactors`] lets a caller whose adapters do not change stack them once for all its
-//! batches), and rows without an adapter have an all-zero mask row. The mask's zeros stop every gradient
-//! between a row and the factors of another adapter: each adapter's factors are given exactly
-//! the sums of its own rows' gradients, which is what isolates agents' gradients by construction.
+//! batches), and rows without an adapter have an all-zero mask row. The mask's zeros stop every
+//! gradient between a row and the factors of another adapter: each adapter's factors are given
+//! exactly the sums of its own rows' gradients, which is what isolates agents' gradients by
+//! construction.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
