@@ -229,9 +229,16 @@ def troupe_iteration(args, model_dir, work, rep, extra=None, flags=()):
     steady = seconds[1:] or seconds
     kernels = os.path.join(out_dir, "kernels.json")
     profile = json.load(open(kernels)) if "--profile-kernels" in flags and os.path.exists(kernels) else None
+    extras = [l.get("extra", {}) for l in lines]
     return {"iteration_s": seconds, "s_per_iteration": sum(steady) / len(steady), "kernels": profile,
             "replies": AGENTS * args.groups * args.group_size, "peak_memory_mib": peak_mib,
-            "update_gflop_per_s": [l.get("extra", {}).get("gflop_per_second_update") for l in lines]}
+            "update_gflop_per_s": [e.get("gflop_per_second_update") for e in extras],
+            # Where each iteration's seconds went (rollout, credit, update, optimizer, ...) and the
+            # FLOPs the trainer counted per phase.
+            "phase_s": [{k[len("seconds_"):]: v for k, v in e.items() if k.startswith("seconds_")} for e in extras],
+            "phase_gflop": [{k[len("gflop_"):]: v for k, v in e.items()
+                             if k.startswith("gflop_") and not k.startswith("gflop_per_second_")} for e in extras],
+            "rollout_tok_s": [l.get("tokens_per_second") for l in lines]}
 
 
 def trl_iteration(args, model_dir):

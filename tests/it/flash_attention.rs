@@ -224,8 +224,9 @@ fn flash_matches_the_materialized_kernel_and_an_f64_reference() {
 /// The materialized kernel (`runtime.attention: materialized`) without gradients, on any device:
 /// on a GPU the two products around troupe's one softmax kernel, the mask read in place for the
 /// folded grouped-query heads; on the CPU the fused kernel. Within 1e-5 of burn's own attention
-/// on the same device (the same products; only the softmax's sums run in another order), within
-/// the device's tolerance of the f64 reference, and zeros for a query that sees no key.
+/// on the same device (the same products; only the softmax's sums run in another order), 1e-4
+/// under CUDA's TF32 products; within the device's tolerance of the f64 reference; and zeros for
+/// a query that sees no key.
 #[test]
 fn materialized_kernel_matches_burns_attention_and_an_f64_reference() {
     let device = test_device();
@@ -236,7 +237,11 @@ fn materialized_kernel_matches_burns_attention_and_an_f64_reference() {
         let got = host(attention(qt.clone(), kt.clone(), vt.clone(), &mask, &host_mask, AttentionKernel::Materialized));
         let burns = host(grouped_attention(qt, kt, vt, &mask));
         let worst = worst_error(&got, &burns);
-        assert!(worst < 1e-5, "{label}: against burn's attention: {worst}");
+        // CUDA multiplies in TF32: probabilities that differ in their last f32 bits (the sums'
+        // order) can round to neighbouring TF32 values before the second product (1.5e-5 seen on
+        // an H200). The CPU and wgpu multiply in f32.
+        let bound = if troupe::device::is_cuda(&device) { 1e-4 } else { 1e-5 };
+        assert!(worst < bound, "{label}: against burn's attention: {worst}");
         let worst = worst_error(&got, &want);
         assert!(worst < tolerance(1e-5), "{label}: against the f64 reference: {worst}");
         case.assert_blind_queries_are_zero(&got, "materialized");
