@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, TroupeError};
 use crate::model::checkpoint::{Checkpointed, Stream};
 use crate::model::fused::token_logprob::log_sum_exp;
-use crate::model::fused::token_logprobs;
+use crate::model::head::head_logprobs;
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
 pub use constrained::{NodeId, TokenTrie, TrieStep};
 use prefix::SharedPrefixes;
@@ -358,11 +358,6 @@ impl ScoringBatch {
     }
 }
 
-/// Logit elements (rows x positions x vocab) handled per chunk when turning hidden states into
-/// log-probabilities: large enough for efficient GEMMs, small enough that the temporaries of
-/// the log-softmax stay near the caches instead of streaming hundreds of MB through memory.
-const LOGIT_CHUNK_ELEMENTS: usize = 8 << 20;
-
 /// Log-probability of every next token: entry `[b, t]` is `log p(tokens[b, t+1] | tokens[b, ..=t])`.
 /// Differentiable when the adapters in `delta` require gradients.
 ///
@@ -376,22 +371,11 @@ pub fn next_token_logprobs(
     let [rows, seq] = batch.tokens.dims();
     let layout = SequenceLayout::new(rows).step(&batch.valid, lm.device());
     let hidden = lm.hidden_states(batch.tokens.clone(), ForwardArgs { layout: &layout, cache: None, delta })?;
-    let hidden = hidden.narrow(1, 0, seq - 1);
+    let size = hidden.dims()[2];
+    let hidden = hidden.narrow(1, 0, seq - 1).reshape([rows * (seq - 1), size]);
     let tokens = &batch.host_tokens;
-    let per_row = (seq - 1) * lm.config.vocab_size;
-    let chunk = (LOGIT_CHUNK_ELEMENTS / per_row.max(1)).clamp(1, rows);
-    let mut parts = Vec::with_capacity(rows.div_ceil(chunk));
-    let mut start = 0;
-    while start < rows {
-        let n = chunk.min(rows - start);
-        let logits = lm.logits(hidden.clone().narrow(0, start, n));
-        let targets: Vec<u32> =
-            (start..start + n).flat_map(|b| tokens[b * seq + 1..(b + 1) * seq].iter().copied()).collect();
-        let flat = logits.reshape([n * (seq - 1), lm.config.vocab_size]);
-        parts.push(token_logprobs(flat, &targets).reshape([n, seq - 1]));
-        start += n;
-    }
-    Ok(if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 0) })
+    let targets: Vec<u32> = (0..rows).flat_map(|b| tokens[b * seq + 1..(b + 1) * seq].iter().copied()).collect();
+    Ok(head_logprobs(&lm.lm_head, hidden, &targets).reshape([rows, seq - 1]))
 }
 
 /// Log-probability of each row's completion tokens only: entry `[b, j]` is
@@ -559,18 +543,8 @@ fn reply_logprobs(
     let flat = hidden.reshape([batch * seq, size]);
     let count = batch * width;
     let index = |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [count]), &device);
-    let predictors = index(predictors);
-    let vocab = lm.config.vocab_size;
-    let chunk = (LOGIT_CHUNK_ELEMENTS / vocab.max(1)).clamp(1, count.max(1));
-    let mut parts = Vec::with_capacity(count.div_ceil(chunk));
-    let mut start = 0;
-    while start < count {
-        let n = chunk.min(count - start);
-        let at = flat.clone().select(0, predictors.clone().narrow(0, start, n));
-        parts.push(token_logprobs(lm.lm_head.forward_2d(at), &targets[start..start + n]));
-        start += n;
-    }
-    let logprobs = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(parts, 0) };
+    let at = flat.select(0, index(predictors));
+    let logprobs = head_logprobs(&lm.lm_head, at, &targets);
     let present = Tensor::<2>::from_data(TensorData::new(present, [batch, width]), &device);
     Ok(logprobs.reshape([batch, width]) * present)
 }

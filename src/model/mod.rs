@@ -9,6 +9,7 @@ pub mod config;
 pub mod fingerprint;
 pub mod fused;
 pub mod gguf;
+pub mod head;
 mod host;
 pub mod inspect;
 pub mod layers;

@@ -603,3 +603,64 @@ fn batched_matmul_equals_burn_matmul_bit_for_bit() {
         assert_eq!(pool.install(|| run(true)), run(false), "{batch} x {m}x{k}x{n}");
     }
 }
+
+/// The LM head's log-probabilities with gradients (`troupe::model::head`: the forward outside
+/// autodiff, each row's gradient direction computed there) against the head's product followed
+/// by burn's `log_softmax` and `gather` under autodiff, on the test device: values and the
+/// input's gradient, for a weight in f32 and (where the device has it) bf16, in one chunk and in
+/// many; and the same values untracked, bit for bit.
+#[test]
+fn head_logprobs_match_log_softmax_with_gradients_on_the_test_device() {
+    use burn::tensor::DType;
+    use troupe::model::fused::dense_linear;
+    use troupe::model::head::head_logprobs;
+    use troupe::model::layers::{FrozenLinear, LinearWeight};
+
+    let device = crate::common::test_device();
+    let autodiff = device.clone().autodiff();
+    let cuda = troupe::device::is_cuda(&device);
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    // (rows, hidden, vocab): one chunk; a Qwen3 vocabulary in several chunks.
+    for (rows, hidden, vocab) in [(19, 48, 5003), (300, 16, 151_936)] {
+        let x = random(&mut rng, [rows, hidden], 1.0, &device);
+        let w = random(&mut rng, [vocab, hidden], 0.5, &device);
+        let targets: Vec<u32> = (0..rows).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let weights = random(&mut rng, [1, rows], 1.0, &autodiff).reshape([rows]);
+        // wgpu's shaders have no bf16.
+        let dtypes: &[DType] =
+            if troupe::device::is_wgpu(&device) { &[DType::F32] } else { &[DType::F32, DType::BF16] };
+        for &dtype in dtypes {
+            let w = if dtype == DType::F32 { w.clone() } else { w.clone().cast(dtype) };
+            let head = FrozenLinear { weight: LinearWeight::Dense(w.clone()), bias: None };
+            let ours = Tensor::<2>::from_data(x.to_data(), &autodiff).require_grad();
+            let got = head_logprobs(&head, ours.clone(), &targets);
+            let grads = (got.clone() * weights.clone()).sum().backward();
+            let got_grad = values(ours.grad(&grads).expect("a gradient"));
+            let got = values(got.reshape([1, rows]));
+
+            let theirs = Tensor::<2>::from_data(x.to_data(), &autodiff).require_grad();
+            let ids: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
+            let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &autodiff).reshape([rows, 1]);
+            let want = log_softmax(dense_linear(theirs.clone(), &w), 1).gather(1, ids).reshape([rows]);
+            let grads = (want.clone() * weights.clone()).sum().backward();
+            let want_grad = values(theirs.grad(&grads).expect("a gradient"));
+            let want = values(want.reshape([1, rows]));
+
+            let case = format!("{rows} x {hidden} x {vocab} in {dtype:?}");
+            assert!(worst_relative_error(&got, &want) <= 1e-5, "{case}: log-probs {got:?} vs {want:?}");
+            // CUDA multiplies f32 in TF32 and rounds a bf16 product's operands, where the
+            // reference scales each row before the product and this code after it.
+            let bound = match (cuda, dtype) {
+                (false, _) => 1e-5,
+                (true, DType::F32) => 5e-3,
+                (true, _) => 3e-2,
+            };
+            let scale = want_grad.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let worst = got_grad.iter().zip(&want_grad).map(|(g, w)| (g - w).abs()).fold(0.0f32, f32::max);
+            assert!(worst <= bound * scale, "{case}: gradient off by {worst} at scale {scale}");
+
+            let untracked = head_logprobs(&head, Tensor::<2>::from_data(x.to_data(), &device), &targets);
+            assert_eq!(values(untracked.reshape([1, rows])), got, "{case}: untracked");
+        }
+    }
+}

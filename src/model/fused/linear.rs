@@ -400,3 +400,28 @@ pub fn dense_linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
         weight.clone().into_dispatch(),
     ))
 }
+
+/// `dy W` for a frozen `W`: the product [`dense_linear`]'s backward computes for the input's
+/// gradient, outside autodiff. On the CPU it is that backward's own product (f32, the weight
+/// widened when held in bf16 or f16); elsewhere burn's matmul in the weight's dtype, the result
+/// back in `dy`'s, as burn's autodiff differentiates [`dense_linear`]'s composite there.
+///
+/// # Shapes
+/// `dy`: `[m, out]`, `weight`: `[out, in]` -> `[m, in]`
+pub fn dense_linear_backward(dy: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
+    let dy = dy.without_autodiff();
+    let weight = weight.clone().without_autodiff();
+    if on_flex(&dy) && dy.dtype() == DType::F32 {
+        if let (Ok(dy), Ok(weight)) =
+            (dy.clone().try_into_primitive::<Flex>(), weight.clone().try_into_primitive::<Flex>())
+        {
+            let (dy, weight) = (positive_strides(dy), positive_strides(widened(weight)));
+            return Tensor::from_primitive::<Flex>(product(Operand::of(&dy), Operand::of(&weight)));
+        }
+    }
+    if weight.dtype() == dy.dtype() {
+        return dy.matmul(weight);
+    }
+    let dtype = FloatDType::from(dy.dtype());
+    dy.cast(weight.dtype()).matmul(weight).cast(dtype)
+}

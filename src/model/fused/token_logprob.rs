@@ -16,7 +16,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{backend_extension, Autodiff, Dispatch, Flex};
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 use rayon::prelude::*;
 
 use super::vexp::{exp_shifted_sum, scaled_exp};
@@ -149,6 +149,79 @@ pub fn composite(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     let max = logits.clone().detach().max_dim(1);
     let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
     (logits.gather(1, targets.reshape([rows, 1])) - lse).reshape([rows])
+}
+
+/// Each row's `log softmax(logits[r])[targets[r]]` and the gradient of it with respect to the
+/// row's logits, `1[v = target] - softmax(logits[r])[v]`: what the scorer's backward would
+/// multiply by each row's incoming gradient, computed in the forward so that the logits need
+/// not be kept for it ([`crate::model::head`]). Outside autodiff: fused on the CPU, one kernel
+/// on a GPU ([`super::gpu::token_logprobs_and_complement`]), burn's ops elsewhere.
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]`, `targets`: one id below `vocab` per row -> (`[rows]`, `[rows, vocab]`)
+pub fn token_logprobs_and_complement(logits: Tensor<2>, targets: &[u32]) -> (Tensor<1>, Tensor<2>) {
+    let [rows, vocab] = logits.dims();
+    assert_eq!(rows, targets.len(), "token_logprobs_and_complement: one target per row");
+    assert!(
+        targets.iter().all(|&t| (t as usize) < vocab),
+        "token_logprobs_and_complement: a target past the vocabulary"
+    );
+    let logits = logits.without_autodiff();
+    if on_flex(&logits) && logits.dtype() == DType::F32 {
+        if let Ok(primitive) = logits.clone().try_into_primitive::<Flex>() {
+            let (logprobs, complement) = complement_rows(&primitive, targets);
+            return (
+                Tensor::from_primitive::<Flex>(FlexTensor::from_data(TensorData::new(logprobs, [rows]))),
+                Tensor::from_primitive::<Flex>(FlexTensor::from_data(TensorData::new(complement, [rows, vocab]))),
+            );
+        }
+    }
+    let device = logits.device();
+    let ids: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
+    let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), &device);
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if super::gpu::takes(&logits) {
+        return super::gpu::token_logprobs_and_complement(logits, ids);
+    }
+    composite_complement(logits, ids)
+}
+
+/// burn's composite of [`token_logprobs_and_complement`], with the targets on the logits' device.
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]`, `targets`: `[rows]` -> (`[rows]`, `[rows, vocab]`)
+pub fn composite_complement(logits: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
+    let [rows, _] = logits.dims();
+    let max = logits.clone().max_dim(1);
+    let lse = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+    let targets = targets.reshape([rows, 1]);
+    let logprobs = (logits.clone().gather(1, targets.clone()) - lse.clone()).reshape([rows]);
+    let ones = Tensor::<2>::ones([rows, 1], &logits.device());
+    let complement = (logits - lse).exp().neg().scatter(1, targets, ones, IndexingUpdateOp::Add);
+    (logprobs, complement)
+}
+
+/// Each row's target log-probability and its complement row (`1[v = target] - e^(x[v] - lse)`),
+/// rows in parallel.
+fn complement_rows(logits: &FlexTensor, targets: &[u32]) -> (Vec<f32>, Vec<f32>) {
+    let [rows, vocab] = check(logits, targets);
+    let mut complement = vec![0.0f32; rows * vocab];
+    let logprobs = with_rows(logits, |l: &Rows<'_>| {
+        complement
+            .par_chunks_mut(vocab.max(1))
+            .with_min_len(rows_per_task(vocab))
+            .enumerate()
+            .map(|(r, out)| {
+                let row = l.row(r);
+                let lse = log_sum_exp(row);
+                let target = targets[r] as usize;
+                scaled_exp(row, lse, -1.0, out);
+                out[target] += 1.0;
+                row[target] - lse
+            })
+            .collect::<Vec<f32>>()
+    });
+    (logprobs, complement)
 }
 
 /// Each row's `log sum e^x`, as a burn backend extension (the other half of a log-softmax

@@ -32,7 +32,7 @@ pub use attention::attention;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
 pub use swiglu::swiglu;
-pub use token_logprob::token_logprobs;
+pub use token_logprob::{token_logprobs, token_logprobs_and_complement};
 
 /// The most cubes a grid dimension holds on every cubecl runtime (Vulkan's minimum).
 const MAX_GRID: usize = 65_535;

@@ -20,6 +20,31 @@ mod kernel {
 
     use super::super::cube::{cube_reduce, cube_row};
 
+    /// The row's `ln sum_v e^(logits[row, v])` (the maximum, then the sum of `e^(x - max)`, each
+    /// reduced in `partial`, one slot per unit). Every unit of the cube must call it.
+    #[cube]
+    fn row_lse(logits: &Tensor<f32>, start: usize, step: usize, partial: &mut Shared<[f32]>) -> f32 {
+        let unit = UNIT_POS_X as usize;
+        let stride = CUBE_DIM_X as usize;
+        let vocab = logits.shape(1);
+        let mut largest = f32::new(-3.402_823_5e38f32);
+        let mut i = unit;
+        while i < vocab {
+            largest = max(largest, logits[start + i * step]);
+            i += stride;
+        }
+        let row_max = cube_reduce(partial, largest, true);
+
+        let mut sum = 0.0f32;
+        let mut i = unit;
+        while i < vocab {
+            sum += f32::exp(logits[start + i * step] - row_max);
+            i += stride;
+        }
+        let total = cube_reduce(partial, sum, false);
+        f32::ln(total) + row_max
+    }
+
     /// One cube per row of `logits` (`[rows, vocab]`, any strides): `out[row]` (`[rows]`,
     /// contiguous) gets `logits[row, targets[row]] - ln sum_v e^(logits[row, v])`. `units` is the
     /// cube's size, a power of two.
@@ -33,34 +58,50 @@ mod kernel {
         #[define(T)] _target_type: ElemType,
     ) {
         let row = cube_row();
-        let unit = UNIT_POS_X as usize;
-        let stride = CUBE_DIM_X as usize;
         // Every unit of a cube takes the same branch, so the barriers below stay uniform.
+        if row < rows {
+            let start = row * logits.stride(0);
+            let step = logits.stride(1);
+            let mut partial = Shared::<[f32]>::new_slice(units);
+            let lse = row_lse(logits, start, step, &mut partial);
+            if UNIT_POS_X == 0 {
+                let target = usize::cast_from(targets[row * targets.stride(0)]);
+                out[row] = logits[start + target * step] - lse;
+            }
+        }
+    }
+
+    /// [`token_logprob_kernel`], and `complement[row, v] = 1[v = targets[row]] - e^(logits[row, v]
+    /// - lse)` (`[rows, vocab]`, contiguous): the log-probability's gradient in the row's logits.
+    #[cube(launch)]
+    pub(super) fn token_logprob_complement_kernel<T: Numeric>(
+        logits: &Tensor<f32>,
+        targets: &Tensor<T>,
+        out: &mut Tensor<f32>,
+        complement: &mut Tensor<f32>,
+        rows: usize,
+        #[comptime] units: usize,
+        #[define(T)] _target_type: ElemType,
+    ) {
+        let row = cube_row();
         if row < rows {
             let vocab = logits.shape(1);
             let start = row * logits.stride(0);
             let step = logits.stride(1);
-
-            let mut largest = f32::new(-3.402_823_5e38f32);
-            let mut i = unit;
-            while i < vocab {
-                largest = max(largest, logits[start + i * step]);
-                i += stride;
-            }
             let mut partial = Shared::<[f32]>::new_slice(units);
-            let row_max = cube_reduce(&mut partial, largest, true);
-
-            let mut sum = 0.0f32;
-            let mut i = unit;
+            let lse = row_lse(logits, start, step, &mut partial);
+            let target = usize::cast_from(targets[row * targets.stride(0)]);
+            let mut i = UNIT_POS_X as usize;
             while i < vocab {
-                sum += f32::exp(logits[start + i * step] - row_max);
-                i += stride;
+                let mut value = -f32::exp(logits[start + i * step] - lse);
+                if i == target {
+                    value += 1.0;
+                }
+                complement[row * vocab + i] = value;
+                i += CUBE_DIM_X as usize;
             }
-            let total = cube_reduce(&mut partial, sum, false);
-
-            if unit == 0 {
-                let target = usize::cast_from(targets[row * targets.stride(0)]);
-                out[row] = logits[start + target * step] - (f32::ln(total) + row_max);
+            if UNIT_POS_X == 0 {
+                out[row] = logits[start + target * step] - lse;
             }
         }
     }
@@ -98,4 +139,41 @@ pub fn token_logprobs(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
         target_type,
     );
     Tensor::from_primitive::<Cube>(out)
+}
+
+/// Each row's `log softmax(logits)[target]` and its gradient in the row's logits
+/// (`1[v = target] - softmax(logits)[v]`, [`crate::model::fused::token_logprob::token_logprobs_and_complement`])
+/// in one kernel launch, for plain f32 logits on a cubecl device ([`super::takes`]; burn's
+/// composite otherwise).
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]`, `targets`: `[rows]` -> (`[rows]`, `[rows, vocab]`)
+pub fn token_logprobs_and_complement(logits: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
+    let [rows, vocab] = logits.dims();
+    let primitives = (logits.clone().try_into_primitive::<Cube>(), targets.clone().try_into_primitive::<Cube>());
+    let (Ok(lp), Ok(tp)) = primitives else {
+        return super::super::token_logprob::composite_complement(logits, targets);
+    };
+    let lp = untile(lp);
+    let target_type = dtype_to_storage_type(tp.dtype);
+    let out = empty_of(&lp, Shape::new([rows]));
+    let complement = empty_of(&lp, Shape::new([rows, vocab]));
+    if rows == 0 || vocab == 0 {
+        return (Tensor::from_primitive::<Cube>(out), Tensor::from_primitive::<Cube>(complement));
+    }
+    let (count, cube_dim, units) = row_launch(rows, vocab);
+    let client = lp.client.clone();
+    kernel::token_logprob_complement_kernel::launch(
+        &client,
+        count,
+        cube_dim,
+        lp.into_tensor_arg(),
+        tp.into_tensor_arg(),
+        out.clone().into_tensor_arg(),
+        complement.clone().into_tensor_arg(),
+        rows,
+        units,
+        target_type,
+    );
+    (Tensor::from_primitive::<Cube>(out), Tensor::from_primitive::<Cube>(complement))
 }
