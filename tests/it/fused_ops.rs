@@ -654,10 +654,12 @@ fn head_logprobs_match_log_softmax_with_gradients_on_the_test_device() {
 
             let case = format!("{rows} x {hidden} x {vocab} in {dtype:?}");
             assert!(worst_relative_error(&got, &want) <= 1e-5, "{case}: log-probs {got:?} vs {want:?}");
-            // CUDA multiplies f32 in TF32 and rounds a bf16 product's operands, where the
-            // reference scales each row before the product and this code after it.
+            // The reference scales each row before the product over the vocabulary and this code
+            // after it: the CPU's GEMM sums in the same order either way, a GPU's need not (and
+            // CUDA multiplies f32 in TF32 and rounds a bf16 product's operands).
             let bound = match (cuda, dtype) {
-                (false, _) => 1e-5,
+                (false, _) if device == Device::flex() => 1e-5,
+                (false, _) => 1e-4,
                 (true, DType::F32) => 5e-3,
                 (true, _) => 3e-2,
             };
