@@ -429,24 +429,34 @@ fn attention_matches_burns_masked_attention() {
     }
 }
 
+/// The RMS norm with gradients against burn's composite on the test device (the CPU's fused
+/// kernel by default; under `cuda` or `wgpu`, with a frozen weight, the GPU's one-kernel norm and
+/// its one-kernel backward, and with a weight that takes a gradient, burn's composite): values,
+/// `dx` and (when the weight takes one) `dw`, over per-head rows of a narrowed projection output.
 #[test]
 fn rms_norm_matches_the_composite() {
     use troupe::model::fused::rms_norm;
 
-    let device = Device::flex().autodiff();
+    let device = crate::common::test_device();
+    let autodiff = device.clone().autodiff();
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let (batch, seq, heads, dim) = (3, 5, 4, 37);
     let three = |rng: &mut ChaCha8Rng, dims: [usize; 3]| {
         let values: Vec<f32> = (0..dims.iter().product()).map(|_| rng.random_range(-3.0f32..3.0)).collect();
-        Tensor::<3>::from_data(TensorData::new(values, dims), &device)
+        Tensor::<3>::from_data(TensorData::new(values, dims), &autodiff)
     };
     let weight_values: Vec<f32> = (0..dim).map(|_| rng.random_range(0.5f32..1.5)).collect();
     let x = three(&mut rng, [batch, seq, heads * dim + 6]);
     let out_grad = three(&mut rng, [batch * seq, heads, dim]);
     let eps = 1e-6;
-    let run = |fused: bool| {
-        let x = Tensor::<3>::from_data(x.to_data(), &device).require_grad();
-        let weight = Tensor::<1>::from_data(TensorData::new(weight_values.clone(), [dim]), &device).require_grad();
+    let run = |fused: bool, frozen: bool| {
+        let x = Tensor::<3>::from_data(x.to_data(), &autodiff).require_grad();
+        let weight = TensorData::new(weight_values.clone(), [dim]);
+        let weight = if frozen {
+            Tensor::<1>::from_data(weight, &device)
+        } else {
+            Tensor::<1>::from_data(weight, &autodiff).require_grad()
+        };
         // Per-head rows of a narrowed projection output, as the Qwen3 q/k norms see them.
         let heads_view = x.clone().narrow(2, 6, heads * dim).reshape([batch * seq, heads, dim]);
         let out = if fused {
@@ -458,13 +468,18 @@ fn rms_norm_matches_the_composite() {
         let grads = (out.clone() * out_grad.clone()).sum().backward();
         let values3 =
             |t: Tensor<3>| t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
-        let dw = weight.grad(&grads).expect("dw").into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let dw = weight.grad(&grads).map_or_else(Vec::new, |dw| {
+            dw.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32")
+        });
         [values3(out), values3(x.grad(&grads).expect("dx")), dw]
     };
-    let (fused, composite) = (run(true), run(false));
-    for (what, (got, want)) in ["values", "dx", "dw"].iter().zip(fused.iter().zip(&composite)) {
-        let worst = worst_relative_error(got, want);
-        assert!(worst < 1e-5, "{what}: {worst}");
+    for frozen in [false, true] {
+        let (fused, composite) = (run(true, frozen), run(false, frozen));
+        assert_eq!(fused[2].is_empty(), frozen, "a gradient for the weight exactly when it takes one");
+        for (what, (got, want)) in ["values", "dx", "dw"].iter().zip(fused.iter().zip(&composite)) {
+            let worst = worst_relative_error(got, want);
+            assert!(worst < 1e-5, "{what} (frozen weight: {frozen}): {worst}");
+        }
     }
 }
 

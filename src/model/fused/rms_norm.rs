@@ -182,6 +182,10 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
     if super::gpu::takes(&x) && super::gpu::takes(weight) {
         return super::gpu::rms_norm(x, weight, eps);
     }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if super::gpu::takes_tracked(&x) && super::gpu::takes(weight) {
+        return super::gpu::rms_norm_tracked(x, weight, eps);
+    }
     composite(x, weight, eps)
 }
 

@@ -29,7 +29,7 @@ mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::attention;
-pub use rms_norm::rms_norm;
+pub use rms_norm::{rms_norm, rms_norm_tracked};
 pub use rope::rope;
 pub use swiglu::swiglu;
 pub use token_logprob::{token_logprobs, token_logprobs_and_complement};
@@ -52,6 +52,15 @@ pub fn enabled() -> bool {
 pub fn takes<const D: usize>(tensor: &Tensor<D>) -> bool {
     enabled()
         && !tensor.is_autodiff()
+        && tensor.dtype() == DType::F32
+        && matches!(tensor.device().as_dispatch(), DispatchDevice::Cube(_))
+}
+
+/// Whether the kernels with a backward of their own take `tensor` under autodiff: they are
+/// [`enabled`] and it is an f32 tensor with autodiff on a cubecl device.
+pub fn takes_tracked<const D: usize>(tensor: &Tensor<D>) -> bool {
+    enabled()
+        && tensor.is_autodiff()
         && tensor.dtype() == DType::F32
         && matches!(tensor.device().as_dispatch(), DispatchDevice::Cube(_))
 }

@@ -8,11 +8,16 @@
 //! operations. Rows are addressed through the input's strides, so a narrowed or split view (the
 //! per-head q and k norms read the stacked q/k/v product's columns) is read in place.
 
-use burn::backend::Cube;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Cube};
 use burn::tensor::Tensor;
 use burn_cubecl::kernel::{into_contiguous, untile};
 
-use super::{empty_like, row_launch};
+use super::{empty_like, row_launch, Primitive};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -20,6 +25,22 @@ mod kernel {
     use burn_cubecl::cubecl::prelude::*;
 
     use super::super::cube::{cube_reduce, cube_row};
+
+    /// Where row `row` of `x` (`[..., width]`, any strides) starts: its index split over the
+    /// leading dimensions.
+    #[cube]
+    fn row_start(x: &Tensor<f32>, row: usize) -> usize {
+        let mut rest = row;
+        let mut start = 0usize;
+        let mut dim = x.rank() - 1;
+        while dim > 0 {
+            dim -= 1;
+            let size = x.shape(dim);
+            start += (rest % size) * x.stride(dim);
+            rest /= size;
+        }
+        start
+    }
 
     /// One cube per row of `x` (`[..., width]`, any strides): `out` (contiguous, `x`'s shape) gets
     /// `x / sqrt(mean(x^2) + eps) * weight`. `units` is the cube's size, a power of two.
@@ -37,19 +58,9 @@ mod kernel {
         let units_here = CUBE_DIM_X as usize;
         // Every unit of a cube takes the same branch, so the barriers below stay uniform.
         if row < rows {
-            let rank = x.rank();
-            let width = x.shape(rank - 1);
-            // The row's first value in `x`: its index split over the leading dimensions.
-            let mut rest = row;
-            let mut start = 0usize;
-            let mut dim = rank - 1;
-            while dim > 0 {
-                dim -= 1;
-                let size = x.shape(dim);
-                start += (rest % size) * x.stride(dim);
-                rest /= size;
-            }
-            let step = x.stride(rank - 1);
+            let width = x.shape(x.rank() - 1);
+            let start = row_start(x, row);
+            let step = x.stride(x.rank() - 1);
 
             let mut sum = 0.0f32;
             let mut i = unit;
@@ -69,6 +80,53 @@ mod kernel {
             }
         }
     }
+
+    /// The backward of [`rms_norm_kernel`] in `x` (the weight is frozen): one cube per row,
+    /// `dx = g w r - x r^3 (sum g w x) / width` with `r = 1 / sqrt(mean(x^2) + eps)`. `grad` and
+    /// `dx` are contiguous, `x`'s shape; `x` has any strides.
+    #[cube(launch)]
+    pub(super) fn rms_norm_backward_kernel(
+        x: &Tensor<f32>,
+        weight: &Tensor<f32>,
+        grad: &Tensor<f32>,
+        dx: &mut Tensor<f32>,
+        rows: usize,
+        eps: f32,
+        #[comptime] units: usize,
+    ) {
+        let row = cube_row();
+        let unit = UNIT_POS_X as usize;
+        let units_here = CUBE_DIM_X as usize;
+        if row < rows {
+            let width = x.shape(x.rank() - 1);
+            let start = row_start(x, row);
+            let step = x.stride(x.rank() - 1);
+            let w_step = weight.stride(0);
+            let base = row * width;
+
+            let mut squares = 0.0f32;
+            let mut dot = 0.0f32;
+            let mut i = unit;
+            while i < width {
+                let v = x[start + i * step];
+                squares += v * v;
+                dot += grad[base + i] * weight[i * w_step] * v;
+                i += units_here;
+            }
+            let mut partial = Shared::<[f32]>::new_slice(units);
+            let total = cube_reduce(&mut partial, squares, false);
+            let dot_total = cube_reduce(&mut partial, dot, false);
+            let n = f32::cast_from(width);
+            let inverse = 1.0f32 / f32::sqrt(total / n + eps);
+            let coefficient = inverse * inverse * inverse * dot_total / n;
+
+            let mut i = unit;
+            while i < width {
+                dx[base + i] = grad[base + i] * weight[i * w_step] * inverse - x[start + i * step] * coefficient;
+                i += units_here;
+            }
+        }
+    }
 }
 
 /// `x / sqrt(mean(x^2) + eps) * weight` over the last dimension in one kernel launch, for plain
@@ -77,17 +135,59 @@ mod kernel {
 /// # Shapes
 /// `x`: `[..., width]`, `weight`: `[width]` -> like `x` (contiguous)
 pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> Tensor<D> {
-    let dims = x.dims();
-    let width = dims[D - 1];
-    let rows: usize = dims[..D - 1].iter().product();
     let (Ok(xp), Ok(wp)) = (x.clone().try_into_primitive::<Cube>(), weight.clone().try_into_primitive::<Cube>()) else {
         return super::super::rms_norm::composite(x, weight, eps);
     };
+    Tensor::from_primitive::<Cube>(forward(xp, into_contiguous(wp), eps as f32))
+}
+
+/// [`rms_norm`] for an f32 `x` under autodiff on a cubecl device ([`super::takes_tracked`]), its
+/// backward one kernel too ([`RmsNormBackward`]); burn's composite when `x` or `weight` is not
+/// of that form (a weight under autodiff, which the norm's frozen weights never are).
+///
+/// # Shapes
+/// `x`: `[..., width]`, `weight`: `[width]` -> like `x` (contiguous)
+pub fn rms_norm_tracked<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> Tensor<D> {
+    let Ok(wp) = weight.clone().try_into_primitive::<Cube>() else {
+        return super::super::rms_norm::composite(x, weight, eps);
+    };
+    let wp = into_contiguous(wp);
+    let eps = eps as f32;
+    match x.clone().try_into_primitive::<Autodiff<Cube, NoCheckpointing>>() {
+        Ok(xa) => Tensor::from_primitive::<Autodiff<Cube, NoCheckpointing>>(tracked::<NoCheckpointing>(xa, wp, eps)),
+        Err(_) => match x.clone().try_into_primitive::<Autodiff<Cube, BalancedCheckpointing>>() {
+            Ok(xa) => Tensor::from_primitive::<Autodiff<Cube, BalancedCheckpointing>>(
+                tracked::<BalancedCheckpointing>(xa, wp, eps),
+            ),
+            Err(_) => super::super::rms_norm::composite(x, weight, eps as f64),
+        },
+    }
+}
+
+/// The norm of `xa` as an autodiff node whose backward is [`RmsNormBackward`].
+fn tracked<C: CheckpointStrategy>(
+    xa: FloatTensor<Autodiff<Cube, C>>,
+    wp: Primitive,
+    eps: f32,
+) -> FloatTensor<Autodiff<Cube, C>> {
+    match RmsNormBackward.prepare::<C>([xa.node()]).compute_bound().stateful() {
+        OpsKind::Tracked(prep) => {
+            let xp = untile(xa.primitive().clone());
+            let out = forward(xp.clone(), wp.clone(), eps);
+            prep.finish(Saved { x: xp, weight: wp, eps }, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(xa.into_primitive(), wp, eps)),
+    }
+}
+
+/// The norm's forward launch (`weight` contiguous).
+fn forward(xp: Primitive, wp: Primitive, eps: f32) -> Primitive {
     // A matmul's output may be stored in tiles; the kernel reads rows.
-    let (xp, wp) = (untile(xp), into_contiguous(wp));
+    let xp = untile(xp);
     let out = empty_like(&xp);
+    let (rows, width) = rows_of(&xp);
     if rows == 0 || width == 0 {
-        return Tensor::from_primitive::<Cube>(out);
+        return out;
     }
     let (count, cube_dim, units) = row_launch(rows, width);
     let client = xp.client.clone();
@@ -99,8 +199,58 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
         wp.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         rows,
-        eps as f32,
+        eps,
         units,
     );
-    Tensor::from_primitive::<Cube>(out)
+    out
+}
+
+/// The rows and the width of a tensor normalised over its last dimension.
+fn rows_of(x: &Primitive) -> (usize, usize) {
+    let dims = x.meta.shape().as_slice();
+    let width = dims.last().copied().unwrap_or(1);
+    (dims[..dims.len().saturating_sub(1)].iter().product(), width)
+}
+
+/// The backward of [`rms_norm_tracked`]: `x`'s gradient in one kernel.
+#[derive(Debug)]
+struct RmsNormBackward;
+
+/// What the backward reads: the input (as the forward read it), the weight and `eps`.
+#[derive(Clone, Debug)]
+struct Saved {
+    x: Primitive,
+    weight: Primitive,
+    eps: f32,
+}
+
+impl Backward<Cube, 1> for RmsNormBackward {
+    type State = Saved;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<Cube>(&ops.node);
+        let Some(node) = node_x else { return };
+        let Saved { x, weight, eps } = ops.state;
+        let grad = into_contiguous(untile(grad));
+        let dx = empty_like(&x);
+        let (rows, width) = rows_of(&x);
+        if rows > 0 && width > 0 {
+            let (count, cube_dim, units) = row_launch(rows, width);
+            let client = x.client.clone();
+            kernel::rms_norm_backward_kernel::launch(
+                &client,
+                count,
+                cube_dim,
+                x.into_tensor_arg(),
+                weight.into_tensor_arg(),
+                grad.into_tensor_arg(),
+                dx.clone().into_tensor_arg(),
+                rows,
+                eps,
+                units,
+            );
+        }
+        grads.register::<Cube>(node.id, dx);
+    }
 }
