@@ -79,11 +79,14 @@ fn start_cuda(index: usize) -> Result<Device> {
     }
 }
 
-/// Whether `device` is a CUDA device (where `model.dtype: auto` is bf16).
+/// Whether `device` is a CUDA device (where `model.dtype: auto` is bf16), with or without autodiff.
 pub fn is_cuda(device: &Device) -> bool {
     #[cfg(feature = "cuda")]
     {
-        matches!(device.as_dispatch(), burn::backend::DispatchDevice::Cube(burn_cubecl::CubeDevice::Cuda(_)))
+        matches!(
+            device.clone().without_autodiff().as_dispatch(),
+            burn::backend::DispatchDevice::Cube(burn_cubecl::CubeDevice::Cuda(_))
+        )
     }
     #[cfg(not(feature = "cuda"))]
     {
@@ -92,11 +95,14 @@ pub fn is_cuda(device: &Device) -> bool {
     }
 }
 
-/// Whether `device` is a wgpu device.
+/// Whether `device` is a wgpu device, with or without autodiff.
 pub fn is_wgpu(device: &Device) -> bool {
     #[cfg(feature = "wgpu")]
     {
-        matches!(device.as_dispatch(), burn::backend::DispatchDevice::Cube(burn_cubecl::CubeDevice::Wgpu(_)))
+        matches!(
+            device.clone().without_autodiff().as_dispatch(),
+            burn::backend::DispatchDevice::Cube(burn_cubecl::CubeDevice::Wgpu(_))
+        )
     }
     #[cfg(not(feature = "wgpu"))]
     {

@@ -62,7 +62,7 @@ pub fn takes_tracked<const D: usize>(tensor: &Tensor<D>) -> bool {
     enabled()
         && tensor.is_autodiff()
         && tensor.dtype() == DType::F32
-        && matches!(tensor.device().as_dispatch(), DispatchDevice::Cube(_))
+        && matches!(tensor.device().without_autodiff().as_dispatch(), DispatchDevice::Cube(_))
 }
 
 /// An empty contiguous f32 tensor of `like`'s shape on its device, for a kernel's output.
