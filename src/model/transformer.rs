@@ -294,25 +294,53 @@ pub struct ForwardArgs<'a> {
     pub delta: Option<&'a dyn ProjectionDelta>,
 }
 
-/// Splits a stacked projection's output into its parts (along the last dimension) and adds each
-/// part's adapter delta, computed from the shared input `x`.
+/// Applies a stacked projection to `x`, splits its output into its parts (along the last
+/// dimension) and adds each part's adapter delta, computed from `x`. On a GPU under autodiff
+/// each part of a dense projection is differentiated through its own rows of the weight
+/// ([`super::fused::gpu::stacked_parts_tracked`]); elsewhere the parts are narrows.
+///
+/// # Shapes
+/// `x`: `[batch, seq, hidden]` -> `[batch, seq, width]` for each part's width
 fn split_project(
-    stacked: Tensor<3>,
+    linear: &FrozenLinear,
     x: &Tensor<3>,
     parts: &[(Projection, usize)],
     layer: usize,
     delta: Option<&dyn ProjectionDelta>,
 ) -> Vec<Tensor<3>> {
-    let mut start = 0;
-    parts
-        .iter()
-        .map(|&(projection, width)| {
-            let part = stacked.clone().narrow(2, start, width);
-            start += width;
-            match delta.and_then(|d| d.delta(layer, projection, x)) {
-                Some(extra) => part + extra,
-                None => part,
+    let widths: Vec<usize> = parts.iter().map(|&(_, width)| width).collect();
+    let values = stacked_parts(linear, x, &widths);
+    values
+        .into_iter()
+        .zip(parts)
+        .map(|(part, &(projection, _))| match delta.and_then(|d| d.delta(layer, projection, x)) {
+            Some(extra) => part + extra,
+            None => part,
+        })
+        .collect()
+}
+
+/// The parts of `linear`'s output for `x`, `widths` wide in turn along the last dimension.
+///
+/// # Shapes
+/// `x`: `[batch, seq, hidden]` -> `[batch, seq, widths[i]]` each
+fn stacked_parts(linear: &FrozenLinear, x: &Tensor<3>, widths: &[usize]) -> Vec<Tensor<3>> {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if let LinearWeight::Dense(weight) = &linear.weight {
+        if super::fused::gpu::takes_tracked(x) {
+            let stacked = linear.forward(x.clone().without_autodiff());
+            if let Some(parts) = super::fused::gpu::stacked_parts_tracked(x, stacked, weight, widths) {
+                return parts;
             }
+        }
+    }
+    let stacked = linear.forward(x.clone());
+    let mut start = 0;
+    widths
+        .iter()
+        .map(|&width| {
+            start += width;
+            stacked.clone().narrow(2, start - width, width)
         })
         .collect()
 }
@@ -395,7 +423,7 @@ impl Attention {
     ) -> (Tensor<3>, Tensor<4>, Tensor<4>) {
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Projection::Q, q_width), (Projection::K, kv_width), (Projection::V, kv_width)];
-        let mut qkv = split_project(self.qkv_proj.forward(x.clone()), &x, &parts, layer, delta).into_iter();
+        let mut qkv = split_project(&self.qkv_proj, &x, &parts, layer, delta).into_iter();
         let (q, k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
         let k = RotaryEmbedding::apply(self.heads(k, self.num_kv_heads, &self.k_norm), rope.0, rope.1);
         (q, k, self.heads(v, self.num_kv_heads, &None))

@@ -1,6 +1,8 @@
 //! Gradient isolation by agent id: a mixed batch gives each adapter exactly the gradient of its
 //! own rows; optimizer steps on one agent's rows leave every other adapter, its optimizer state
-//! and the base byte-identical; shared mode's one step equals the scaled accumulation.
+//! and the base byte-identical; shared mode's one step equals the scaled accumulation. The
+//! adapters' gradients on the test device (a GPU's kernels with backwards of their own) match
+//! the CPU's.
 
 use crate::common;
 
@@ -13,9 +15,14 @@ use troupe::generate::{next_token_logprobs, ScoringBatch};
 use troupe::model::Model;
 
 fn setup() -> (Model, MultiAdapterManager, Vec<Vec<u32>>) {
-    let device = common::test_device();
+    setup_on(&common::test_device())
+}
+
+fn setup_on(device: &burn::tensor::Device) -> (Model, MultiAdapterManager, Vec<Vec<u32>>) {
+    use troupe::model::{LoadOptions, Precision};
     let dir = common::models_dir().join("tiny-qwen3");
-    let model = common::load_f32(&dir);
+    let model = Model::load(&LoadOptions::path(&dir).dtype(Precision::F32), device).unwrap();
+    let device = device.clone();
     let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
     manager.load_adapters(&dir.join("adapters")).unwrap();
     let texts = [
@@ -196,4 +203,38 @@ fn shared_mode_step_equals_the_scaled_accumulation() {
     let mut saved = saved;
     saved.sort();
     assert_eq!(saved, vec!["shared".to_string(), "troupe.json".to_string()], "saved once, under shared/");
+}
+
+/// The adapters' gradients on the device of `TROUPE_TEST_DEVICE` against the CPU's, through the
+/// whole scored forward and its backward: one adapter on all seven projections (the stacked
+/// q/k/v parts and the SwiGLU gate with both deltas), one on q and v only (a part without a
+/// delta, the MLP without). On a GPU this runs troupe's kernels with backwards of their own (the
+/// RMS norm, the rotary embedding, the stacked parts, the gate, the LM head's log-probs); on the
+/// CPU it compares the CPU with itself.
+#[test]
+fn adapter_gradients_on_the_test_device_match_the_cpus() {
+    let agents = [Some(0), Some(1), Some(0), Some(1)];
+    let weights = [1.0, -0.5, 2.0, 0.75];
+    let (model, manager, tokens) = setup();
+    let got = grads_of(&model, &manager, &tokens, &agents, &weights);
+    let (cpu_model, cpu_manager, cpu_tokens) = setup_on(&burn::tensor::Device::flex());
+    let want = grads_of(&cpu_model, &cpu_manager, &cpu_tokens, &agents, &weights);
+    assert_eq!(got.keys().collect::<Vec<_>>(), want.keys().collect::<Vec<_>>());
+    let host = |t: &Tensor<2>| -> Vec<f32> { t.to_data().convert::<f32>().try_into_vec::<f32>().unwrap() };
+    for (name, sites) in &want {
+        assert_eq!(sites.keys().collect::<Vec<_>>(), got[name].keys().collect::<Vec<_>>(), "{name}: sites");
+        let scale =
+            sites.values().flat_map(|(a, b)| host(a).into_iter().chain(host(b))).fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
+        for (site, (want_a, want_b)) in sites {
+            let (got_a, got_b) = &got[name][site];
+            for (what, g, w) in [("A", got_a, want_a), ("B", got_b, want_b)] {
+                let worst = host(g).iter().zip(host(w)).map(|(g, w)| (g - w).abs()).fold(0.0f32, f32::max);
+                assert!(
+                    worst <= common::tolerance(1e-4) * scale,
+                    "{name} {site:?} {what}: off by {worst} at scale {scale}"
+                );
+            }
+        }
+    }
 }

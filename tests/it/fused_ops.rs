@@ -687,3 +687,109 @@ fn head_logprobs_match_log_softmax_with_gradients_on_the_test_device() {
         }
     }
 }
+
+/// The rotary embedding under autodiff on the device of `TROUPE_TEST_DEVICE` (the CPU's fused
+/// kernel by default, one GPU kernel each way under `cuda` or `wgpu`) against burn's rotate-half
+/// composite: values and the input's gradient, for queries as the attention makes them (heads
+/// and positions swapped, strided) with the tables on the plain device and under autodiff.
+#[test]
+fn rope_with_gradients_matches_the_composite_on_the_test_device() {
+    let device = crate::common::test_device();
+    let autodiff = device.clone().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let four = |rng: &mut ChaCha8Rng, dims: [usize; 4], scale: f32, on: &Device| {
+        let values: Vec<f32> = (0..dims.iter().product()).map(|_| rng.random_range(-scale..scale)).collect();
+        Tensor::<4>::from_data(TensorData::new(values, dims), on)
+    };
+    let flat = |t: Tensor<4>| t.without_autodiff().into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+    for (batch, heads, seq, dim) in [(2, 3, 5, 8), (2, 16, 33, 128)] {
+        for tables_tracked in [false, true] {
+            let on = if tables_tracked { &autodiff } else { &device };
+            let table = [batch, 1, seq, dim];
+            let (cos, sin) = (four(&mut rng, table, 1.0, on), four(&mut rng, table, 1.0, on));
+            let x = four(&mut rng, [batch, seq, heads, dim], 2.0, &device);
+            let out_grad = four(&mut rng, [batch, heads, seq, dim], 1.0, &autodiff);
+            let run = |fused: bool| {
+                let x = Tensor::<4>::from_data(x.to_data(), &autodiff).require_grad();
+                let swapped = x.clone().swap_dims(1, 2);
+                let out = if fused {
+                    rope(swapped, &cos, &sin)
+                } else {
+                    let half = dim / 2;
+                    let (first, second) = (swapped.clone().narrow(3, 0, half), swapped.clone().narrow(3, half, half));
+                    swapped * cos.clone() + Tensor::cat(vec![second.neg(), first], 3) * sin.clone()
+                };
+                let grads = (out.clone() * out_grad.clone()).sum().backward();
+                [flat(out), flat(x.grad(&grads).expect("a gradient"))]
+            };
+            let (fused, composite) = (run(true), run(false));
+            for (what, (got, want)) in ["values", "dx"].iter().zip(fused.iter().zip(&composite)) {
+                let worst = worst_relative_error(got, want);
+                let case = format!("{batch} x {heads} heads x {seq} x {dim}, tables tracked: {tables_tracked}");
+                assert!(worst < 1e-5, "{what}, {case}: {worst}");
+            }
+        }
+    }
+}
+
+/// The SwiGLU gate on a stacked gate/up product under autodiff on the device of
+/// `TROUPE_TEST_DEVICE` (the CPU's fused kernel by default, one GPU kernel each way under `cuda`
+/// or `wgpu`) against burn's `silu(gate) * up` on the narrowed halves plus their deltas: values
+/// and the gradients of the stacked product and of each delta given, for widths whose second
+/// half does and does not start at an aligned address.
+#[test]
+fn swiglu_stacked_with_gradients_matches_the_composite_on_the_test_device() {
+    let device = crate::common::test_device();
+    let autodiff = device.clone().autodiff();
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    for (rows, width) in [(37, 96), (20, 37)] {
+        let stacked = random(&mut rng, [rows, 2 * width], 6.0, &device);
+        let (delta_gate, delta_up) =
+            (random(&mut rng, [rows, width], 1.0, &device), random(&mut rng, [rows, width], 1.0, &device));
+        let out_grad = random(&mut rng, [rows, width], 1.0, &autodiff);
+        let leaf = |t: &Tensor<2>| Tensor::<2>::from_data(t.to_data(), &autodiff).require_grad();
+        for (gate_on, up_on) in [(false, false), (true, true), (true, false)] {
+            let run = |fused: bool| {
+                // As the MLP sees them: [batch, seq, 2 width].
+                let (gate_up, dg, du) = (leaf(&stacked), leaf(&delta_gate), leaf(&delta_up));
+                let three = |t: Tensor<2>| {
+                    let [n, w] = t.dims();
+                    t.reshape([1, n, w])
+                };
+                let (dg_in, du_in) = (gate_on.then(|| three(dg.clone())), up_on.then(|| three(du.clone())));
+                let input = three(gate_up.clone());
+                let out = if fused {
+                    swiglu_stacked(input, dg_in, du_in)
+                } else {
+                    let gate = input.clone().narrow(2, 0, width);
+                    let up = input.narrow(2, width, width);
+                    let gate = dg_in.map_or(gate.clone(), |d| gate + d);
+                    let up = du_in.map_or(up.clone(), |d| up + d);
+                    silu(gate) * up
+                };
+                let out = out.reshape([rows, width]);
+                let grads = (out.clone() * out_grad.clone()).sum().backward();
+                let grad = |t: &Tensor<2>| t.grad(&grads).map(values);
+                (values(out), grad(&gate_up), grad(&dg), grad(&du))
+            };
+            let case = format!("{rows} x {width}, deltas ({gate_on}, {up_on})");
+            let (fused, composite) = (run(true), run(false));
+            assert!(fused.2.is_some() == gate_on && fused.3.is_some() == up_on, "{case}: delta gradients");
+            let pairs = [
+                ("values", Some(fused.0), Some(composite.0)),
+                ("stacked gradient", fused.1, composite.1),
+                ("gate delta gradient", fused.2, composite.2),
+                ("up delta gradient", fused.3, composite.3),
+            ];
+            for (what, got, want) in pairs {
+                let (got, want) = match (got, want) {
+                    (Some(got), Some(want)) => (got, want),
+                    (None, None) => continue,
+                    _ => panic!("{case}: {what} on one side only"),
+                };
+                let worst = worst_relative_error(&got, &want);
+                assert!(worst < 1e-5, "{what}, {case}: {worst}");
+            }
+        }
+    }
+}

@@ -355,12 +355,19 @@ impl Backward<Flex, 2> for DenseLinearBackward {
         let [node_x, _] = ops.parents;
         let grad = grads.consume::<Flex>(&ops.node);
         if let Some(node) = node_x {
-            let grad = positive_strides(grad);
-            let weight = widened(ops.state);
-            let dx = product(Operand::of(&grad), Operand::of(&weight));
-            grads.register::<Flex>(node.id, dx);
+            grads.register::<Flex>(node.id, backward_product(grad, ops.state));
         }
     }
+}
+
+/// `dy W` on the CPU, the backward's product: `W` widened to f32 and negative strides made
+/// positive first.
+///
+/// # Shapes
+/// `dy`: `[rows, out]`, `weight`: `[out, in]` -> `[rows, in]`
+fn backward_product(dy: FlexTensor, weight: FlexTensor) -> FlexTensor {
+    let (dy, weight) = (positive_strides(dy), positive_strides(widened(weight)));
+    product(Operand::of(&dy), Operand::of(&weight))
 }
 
 impl<C: CheckpointStrategy> DenseLinearBackend for Autodiff<Flex, C> {
@@ -415,8 +422,7 @@ pub fn dense_linear_backward(dy: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
         if let (Ok(dy), Ok(weight)) =
             (dy.clone().try_into_primitive::<Flex>(), weight.clone().try_into_primitive::<Flex>())
         {
-            let (dy, weight) = (positive_strides(dy), positive_strides(widened(weight)));
-            return Tensor::from_primitive::<Flex>(product(Operand::of(&dy), Operand::of(&weight)));
+            return Tensor::from_primitive::<Flex>(backward_product(dy, weight));
         }
     }
     if weight.dtype() == dy.dtype() {

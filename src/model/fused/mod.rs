@@ -17,10 +17,9 @@
 //! - [`attention`]: masked grouped-query attention, one task per key/value head, over only the
 //!   keys a block of queries may see, with its backward.
 //!
-//! Each falls back to burn's composite ops on other backends (CUDA, wgpu). There, without
-//! gradients, the RMS norm and the rotary embedding run as one cubecl kernel each (`gpu`, in
-//! builds with a GPU backend), and attention may run burn-cubecl's flash kernel ([`flash`],
-//! `runtime.attention`).
+//! On a GPU (CUDA, wgpu) most run as cubecl kernels of their own (`gpu`, in builds with a GPU
+//! backend), some with backwards of their own under autodiff, and attention may run
+//! burn-cubecl's flash kernel ([`flash`], `runtime.attention`); elsewhere burn's composite ops.
 
 use burn::backend::flex::FlexTensor;
 use burn::tensor::{Device, Tensor};

@@ -140,8 +140,8 @@ impl<C: CheckpointStrategy> RopeBackend for Autodiff<Flex, C> {
 }
 
 /// `x cos + rotate_half(x) sin` (rotate-half layout): fused on the CPU, one kernel on a GPU
-/// without gradients ([`super::gpu::rope`], within the last bit of burn's), burn's ops
-/// elsewhere; the same values on the CPU either way. Differentiable in `x` (the tables are
+/// ([`super::gpu::rope`], within the last bit of burn's; under autodiff [`super::gpu::rope_tracked`],
+/// its backward one kernel too), burn's ops elsewhere; the same values on the CPU either way. Differentiable in `x` (the tables are
 /// constants).
 ///
 /// # Shapes
@@ -152,6 +152,10 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if fits && [&x, cos, sin].into_iter().all(super::gpu::takes) {
         return super::gpu::rope(x, cos, sin);
+    }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if fits && super::gpu::takes_tracked(&x) {
+        return super::gpu::rope_tracked(x, cos, sin);
     }
     if !on_flex(&x) || !fits {
         return composite(x, cos, sin);

@@ -411,7 +411,8 @@ impl<C: CheckpointStrategy> StackedSwiGluBackend for Autodiff<Flex, C> {
 /// `silu(gate) * up` where `[gate, up]` are the halves of a stacked projection's output along
 /// the last dimension, each plus its adapter delta when given (a missing one counts as zero).
 /// Fused on the CPU (the same values as [`swiglu`] on the narrowed halves plus their deltas);
-/// burn's composite elsewhere.
+/// on a GPU under autodiff one kernel each way ([`super::gpu::swiglu_stacked_tracked`]), without
+/// gradients [`swiglu`]'s kernel on the halves read in place; burn's composite elsewhere.
 ///
 /// # Shapes
 /// `gate_up`: `[..., 2 width]`, `delta_gate`, `delta_up`: `[..., width]` -> `[..., width]`
@@ -429,6 +430,13 @@ pub fn swiglu_stacked<const D: usize>(
         && gate_up.dims()[D - 1] == 2 * width
         && fits(&delta_gate)
         && fits(&delta_up);
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if gate_up.dims()[D - 1] == 2 * width && fits(&delta_gate) && fits(&delta_up) && super::gpu::takes_tracked(&gate_up)
+    {
+        if let Some(out) = super::gpu::swiglu_stacked_tracked(&gate_up, delta_gate.as_ref(), delta_up.as_ref()) {
+            return out;
+        }
+    }
     if !fused {
         let gate = gate_up.clone().narrow(D - 1, 0, width);
         let up = gate_up.narrow(D - 1, width, width);

@@ -1,6 +1,6 @@
-//! cubecl kernels for the forwards without gradients on a GPU (rollouts, scoring, evaluation),
-//! where burn's composites launch a kernel per operation and a decoded token is a few hundred
-//! small launches (`examples/kernel_counts.rs`):
+//! cubecl kernels on a GPU, where burn's composites launch a kernel per operation and a decoded
+//! token is a few hundred small launches (`examples/kernel_counts.rs`). For the forwards without
+//! gradients (rollouts, scoring, evaluation):
 //!
 //! - [`rms_norm()`]: one kernel per norm instead of seven.
 //! - [`rope()`]: one kernel per rotation instead of six.
@@ -10,12 +10,24 @@
 //! - [`token_logprobs()`]: one kernel for the scorer's log-softmax at the targets instead of
 //!   eight.
 //!
-//! Each takes plain (non-autodiff) f32 tensors on a cubecl device ([`takes`]); under autodiff,
-//! for other dtypes, and with `TROUPE_GPU_KERNELS=burn`, burn's composites run.
+//! Each takes plain (non-autodiff) f32 tensors on a cubecl device ([`takes`]). Under autodiff
+//! (the update, [`takes_tracked`]) these have backwards of their own, each an autodiff node
+//! (`TrackedOp`):
+//!
+//! - [`rms_norm_tracked`]: the norm's backward in its input as one kernel (frozen weight).
+//! - [`rope_tracked`]: the rotation's backward as one kernel, only the tables kept.
+//! - [`swiglu_stacked_tracked`]: the gate read from the stacked gate/up product, its backward
+//!   one kernel writing that product's whole gradient.
+//! - [`stacked_parts_tracked`]: the stacked q/k/v projection's parts, each differentiated
+//!   through its own rows of the weight.
+//!
+//! For other dtypes and with `TROUPE_GPU_KERNELS=burn`, burn's composites run.
 
 use std::sync::OnceLock;
 
-use burn::backend::DispatchDevice;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Cube, DispatchDevice};
 use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
@@ -24,14 +36,16 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 mod attention;
 mod rms_norm;
 mod rope;
+mod split;
 mod swiglu;
 mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::attention;
 pub use rms_norm::{rms_norm, rms_norm_tracked};
-pub use rope::rope;
-pub use swiglu::swiglu;
+pub use rope::{rope, rope_tracked};
+pub use split::stacked_parts_tracked;
+pub use swiglu::{swiglu, swiglu_stacked_tracked};
 pub use token_logprob::{token_logprobs, token_logprobs_and_complement};
 
 /// The most cubes a grid dimension holds on every cubecl runtime (Vulkan's minimum).
@@ -63,6 +77,31 @@ pub fn takes_tracked<const D: usize>(tensor: &Tensor<D>) -> bool {
         && tensor.is_autodiff()
         && tensor.dtype() == DType::F32
         && matches!(tensor.device().without_autodiff().as_dispatch(), DispatchDevice::Cube(_))
+}
+
+/// An operation with a backward of its own under autodiff on a cubecl device, over `N` inputs.
+trait TrackedOp<const N: usize> {
+    /// The operation's autodiff node over `inputs`, under the checkpointing strategy `C`.
+    fn apply<C: CheckpointStrategy>(
+        self,
+        inputs: [FloatTensor<Autodiff<Cube, C>>; N],
+    ) -> FloatTensor<Autodiff<Cube, C>>;
+}
+
+/// `op` over `inputs` as autodiff tensors on a cubecl device, under whichever checkpointing
+/// strategy they carry; `None`, with nothing run, when they are not of that form.
+fn apply_tracked<const D: usize, const N: usize>(op: impl TrackedOp<N>, inputs: [Tensor<D>; N]) -> Option<Tensor<D>> {
+    // burn converts to each strategy's autodiff backend by name, not generically.
+    type Plain = Autodiff<Cube, NoCheckpointing>;
+    type Balanced = Autodiff<Cube, BalancedCheckpointing>;
+    let plain: Option<Vec<_>> = inputs.iter().map(|t| t.clone().try_into_primitive::<Plain>().ok()).collect();
+    if let Some(Ok(plain)) = plain.map(<[_; N]>::try_from) {
+        return Some(Tensor::from_primitive::<Plain>(op.apply::<NoCheckpointing>(plain)));
+    }
+    let balanced: Vec<_> =
+        inputs.iter().map(|t| t.clone().try_into_primitive::<Balanced>().ok()).collect::<Option<_>>()?;
+    let balanced = <[_; N]>::try_from(balanced).ok()?;
+    Some(Tensor::from_primitive::<Balanced>(op.apply::<BalancedCheckpointing>(balanced)))
 }
 
 /// An empty contiguous f32 tensor of `like`'s shape on its device, for a kernel's output.

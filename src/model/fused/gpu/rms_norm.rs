@@ -9,15 +9,16 @@
 //! per-head q and k norms read the stacked q/k/v product's columns) is read in place.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
-use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Cube};
 use burn::tensor::Tensor;
+use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::kernel::{into_contiguous, untile};
 
-use super::{empty_like, row_launch, Primitive};
+use super::{apply_tracked, empty_like, row_launch, Primitive, TrackedOp};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -151,32 +152,28 @@ pub fn rms_norm_tracked<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f
     let Ok(wp) = weight.clone().try_into_primitive::<Cube>() else {
         return super::super::rms_norm::composite(x, weight, eps);
     };
-    let wp = into_contiguous(wp);
-    let eps = eps as f32;
-    match x.clone().try_into_primitive::<Autodiff<Cube, NoCheckpointing>>() {
-        Ok(xa) => Tensor::from_primitive::<Autodiff<Cube, NoCheckpointing>>(tracked::<NoCheckpointing>(xa, wp, eps)),
-        Err(_) => match x.clone().try_into_primitive::<Autodiff<Cube, BalancedCheckpointing>>() {
-            Ok(xa) => Tensor::from_primitive::<Autodiff<Cube, BalancedCheckpointing>>(
-                tracked::<BalancedCheckpointing>(xa, wp, eps),
-            ),
-            Err(_) => super::super::rms_norm::composite(x, weight, eps as f64),
-        },
-    }
+    let norm = RmsNorm { weight: into_contiguous(wp), eps: eps as f32 };
+    apply_tracked(norm, [x.clone()]).unwrap_or_else(|| super::super::rms_norm::composite(x, weight, eps))
 }
 
-/// The norm of `xa` as an autodiff node whose backward is [`RmsNormBackward`].
-fn tracked<C: CheckpointStrategy>(
-    xa: FloatTensor<Autodiff<Cube, C>>,
-    wp: Primitive,
+/// The norm by a frozen weight (contiguous), as an autodiff node whose backward is
+/// [`RmsNormBackward`].
+#[derive(Clone, Debug)]
+struct RmsNorm {
+    weight: Primitive,
     eps: f32,
-) -> FloatTensor<Autodiff<Cube, C>> {
-    match RmsNormBackward.prepare::<C>([xa.node()]).compute_bound().stateful() {
-        OpsKind::Tracked(prep) => {
-            let xp = untile(xa.primitive().clone());
-            let out = forward(xp.clone(), wp.clone(), eps);
-            prep.finish(Saved { x: xp, weight: wp, eps }, out)
+}
+
+impl TrackedOp<1> for RmsNorm {
+    fn apply<C: CheckpointStrategy>(self, [xa]: [FloatTensor<Autodiff<Cube, C>>; 1]) -> FloatTensor<Autodiff<Cube, C>> {
+        match RmsNormBackward.prepare::<C>([xa.node()]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let xp = untile(xa.primitive().clone());
+                let out = forward(xp.clone(), self.weight.clone(), self.eps);
+                prep.finish(Saved { x: xp, norm: self }, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(forward(xa.into_primitive(), self.weight, self.eps)),
         }
-        OpsKind::UnTracked(prep) => prep.finish(forward(xa.into_primitive(), wp, eps)),
     }
 }
 
@@ -185,31 +182,42 @@ fn forward(xp: Primitive, wp: Primitive, eps: f32) -> Primitive {
     // A matmul's output may be stored in tiles; the kernel reads rows.
     let xp = untile(xp);
     let out = empty_like(&xp);
-    let (rows, width) = rows_of(&xp);
-    if rows == 0 || width == 0 {
-        return out;
-    }
-    let (count, cube_dim, units) = row_launch(rows, width);
+    let Some(grid) = RowGrid::of(&xp) else { return out };
     let client = xp.client.clone();
     kernel::rms_norm_kernel::launch(
         &client,
-        count,
-        cube_dim,
+        grid.count,
+        grid.cube_dim,
         xp.into_tensor_arg(),
         wp.into_tensor_arg(),
         out.clone().into_tensor_arg(),
-        rows,
+        grid.rows,
         eps,
-        units,
+        grid.units,
     );
     out
 }
 
-/// The rows and the width of a tensor normalised over its last dimension.
-fn rows_of(x: &Primitive) -> (usize, usize) {
-    let dims = x.meta.shape().as_slice();
-    let width = dims.last().copied().unwrap_or(1);
-    (dims[..dims.len().saturating_sub(1)].iter().product(), width)
+/// The launch of a norm kernel over a tensor's rows (its last dimension): one cube a row.
+struct RowGrid {
+    rows: usize,
+    count: CubeCount,
+    cube_dim: CubeDim,
+    units: usize,
+}
+
+impl RowGrid {
+    /// The launch over `x`'s rows, or `None` when it has no values.
+    fn of(x: &Primitive) -> Option<Self> {
+        let dims = x.meta.shape().as_slice();
+        let width = dims.last().copied().unwrap_or(1);
+        let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+        if rows == 0 || width == 0 {
+            return None;
+        }
+        let (count, cube_dim, units) = row_launch(rows, width);
+        Some(Self { rows, count, cube_dim, units })
+    }
 }
 
 /// The backward of [`rms_norm_tracked`]: `x`'s gradient in one kernel.
@@ -220,8 +228,7 @@ struct RmsNormBackward;
 #[derive(Clone, Debug)]
 struct Saved {
     x: Primitive,
-    weight: Primitive,
-    eps: f32,
+    norm: RmsNorm,
 }
 
 impl Backward<Cube, 1> for RmsNormBackward {
@@ -231,24 +238,22 @@ impl Backward<Cube, 1> for RmsNormBackward {
         let [node_x] = ops.parents;
         let grad = grads.consume::<Cube>(&ops.node);
         let Some(node) = node_x else { return };
-        let Saved { x, weight, eps } = ops.state;
+        let Saved { x, norm: RmsNorm { weight, eps } } = ops.state;
         let grad = into_contiguous(untile(grad));
         let dx = empty_like(&x);
-        let (rows, width) = rows_of(&x);
-        if rows > 0 && width > 0 {
-            let (count, cube_dim, units) = row_launch(rows, width);
+        if let Some(grid) = RowGrid::of(&x) {
             let client = x.client.clone();
             kernel::rms_norm_backward_kernel::launch(
                 &client,
-                count,
-                cube_dim,
+                grid.count,
+                grid.cube_dim,
                 x.into_tensor_arg(),
                 weight.into_tensor_arg(),
                 grad.into_tensor_arg(),
                 dx.clone().into_tensor_arg(),
-                rows,
+                grid.rows,
                 eps,
-                units,
+                grid.units,
             );
         }
         grads.register::<Cube>(node.id, dx);

@@ -9,9 +9,10 @@
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::Cube;
 use burn::tensor::{Int, Shape, Tensor};
+use burn_cubecl::cubecl::ir::ElemType;
 use burn_cubecl::kernel::untile;
 
-use super::{empty_of, row_launch};
+use super::{empty_of, row_launch, Primitive};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -107,6 +108,34 @@ mod kernel {
     }
 }
 
+/// The logits and targets of one launch as cubecl primitives, the log-probabilities' empty
+/// output, and the shape.
+struct Launch {
+    logits: Primitive,
+    targets: Primitive,
+    target_type: ElemType,
+    out: Primitive,
+    rows: usize,
+    vocab: usize,
+}
+
+impl Launch {
+    /// The launch, or `None` when either tensor is not on a cubecl device.
+    fn of(logits: &Tensor<2>, targets: &Tensor<1, Int>) -> Option<Self> {
+        let [rows, vocab] = logits.dims();
+        let logits = untile(logits.clone().try_into_primitive::<Cube>().ok()?);
+        let targets = targets.clone().try_into_primitive::<Cube>().ok()?;
+        let target_type = dtype_to_storage_type(targets.dtype);
+        let out = empty_of(&logits, Shape::new([rows]));
+        Some(Self { logits, targets, target_type, out, rows, vocab })
+    }
+
+    /// Whether there is nothing to compute.
+    fn is_empty(&self) -> bool {
+        self.rows == 0 || self.vocab == 0
+    }
+}
+
 /// Each row's `log softmax(logits)[target]` in one kernel launch, for plain f32 logits on a
 /// cubecl device ([`super::takes`]; burn's composite otherwise). `targets` must hold column
 /// indices below `vocab` (the scorer's token ids).
@@ -114,30 +143,25 @@ mod kernel {
 /// # Shapes
 /// `logits`: `[rows, vocab]`, `targets`: `[rows]` -> `[rows]`
 pub fn token_logprobs(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
-    let [rows, vocab] = logits.dims();
-    let primitives = (logits.clone().try_into_primitive::<Cube>(), targets.clone().try_into_primitive::<Cube>());
-    let (Ok(lp), Ok(tp)) = primitives else {
+    let Some(launch) = Launch::of(&logits, &targets) else {
         return super::super::token_logprob::composite(logits, targets);
     };
-    let lp = untile(lp);
-    let target_type = dtype_to_storage_type(tp.dtype);
-    let out = empty_of(&lp, Shape::new([rows]));
-    if rows == 0 || vocab == 0 {
-        return Tensor::from_primitive::<Cube>(out);
+    let out = launch.out.clone();
+    if !launch.is_empty() {
+        let (count, cube_dim, units) = row_launch(launch.rows, launch.vocab);
+        let client = launch.logits.client.clone();
+        kernel::token_logprob_kernel::launch(
+            &client,
+            count,
+            cube_dim,
+            launch.logits.into_tensor_arg(),
+            launch.targets.into_tensor_arg(),
+            launch.out.into_tensor_arg(),
+            launch.rows,
+            units,
+            launch.target_type,
+        );
     }
-    let (count, cube_dim, units) = row_launch(rows, vocab);
-    let client = lp.client.clone();
-    kernel::token_logprob_kernel::launch(
-        &client,
-        count,
-        cube_dim,
-        lp.into_tensor_arg(),
-        tp.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        rows,
-        units,
-        target_type,
-    );
     Tensor::from_primitive::<Cube>(out)
 }
 
@@ -149,31 +173,26 @@ pub fn token_logprobs(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
 /// # Shapes
 /// `logits`: `[rows, vocab]`, `targets`: `[rows]` -> (`[rows]`, `[rows, vocab]`)
 pub fn token_logprobs_and_complement(logits: Tensor<2>, targets: Tensor<1, Int>) -> (Tensor<1>, Tensor<2>) {
-    let [rows, vocab] = logits.dims();
-    let primitives = (logits.clone().try_into_primitive::<Cube>(), targets.clone().try_into_primitive::<Cube>());
-    let (Ok(lp), Ok(tp)) = primitives else {
+    let Some(launch) = Launch::of(&logits, &targets) else {
         return super::super::token_logprob::composite_complement(logits, targets);
     };
-    let lp = untile(lp);
-    let target_type = dtype_to_storage_type(tp.dtype);
-    let out = empty_of(&lp, Shape::new([rows]));
-    let complement = empty_of(&lp, Shape::new([rows, vocab]));
-    if rows == 0 || vocab == 0 {
-        return (Tensor::from_primitive::<Cube>(out), Tensor::from_primitive::<Cube>(complement));
+    let out = launch.out.clone();
+    let complement = empty_of(&launch.logits, Shape::new([launch.rows, launch.vocab]));
+    if !launch.is_empty() {
+        let (count, cube_dim, units) = row_launch(launch.rows, launch.vocab);
+        let client = launch.logits.client.clone();
+        kernel::token_logprob_complement_kernel::launch(
+            &client,
+            count,
+            cube_dim,
+            launch.logits.into_tensor_arg(),
+            launch.targets.into_tensor_arg(),
+            launch.out.into_tensor_arg(),
+            complement.clone().into_tensor_arg(),
+            launch.rows,
+            units,
+            launch.target_type,
+        );
     }
-    let (count, cube_dim, units) = row_launch(rows, vocab);
-    let client = lp.client.clone();
-    kernel::token_logprob_complement_kernel::launch(
-        &client,
-        count,
-        cube_dim,
-        lp.into_tensor_arg(),
-        tp.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-        complement.clone().into_tensor_arg(),
-        rows,
-        units,
-        target_type,
-    );
     (Tensor::from_primitive::<Cube>(out), Tensor::from_primitive::<Cube>(complement))
 }
