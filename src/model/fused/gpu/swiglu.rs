@@ -27,25 +27,30 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
+    /// Where the `index`-th value of `tensor` (counted in row-major order over its shape) lies
+    /// in its storage: the index split over the dimensions, last first, times their strides.
+    #[cube]
+    fn strided_offset(tensor: &Tensor<f32>, index: usize) -> usize {
+        let mut rest = index;
+        let mut at = 0usize;
+        let mut dim = tensor.rank();
+        while dim > 0 {
+            dim -= 1;
+            let size = tensor.shape(dim);
+            at += (rest % size) * tensor.stride(dim);
+            rest /= size;
+        }
+        at
+    }
+
     /// One unit per value of `out` (contiguous, `gate`'s shape): `silu(gate) * up`, `gate` and
     /// `up` of one shape and any strides.
     #[cube(launch)]
     pub(super) fn swiglu_kernel(gate: &Tensor<f32>, up: &Tensor<f32>, out: &mut Tensor<f32>) {
         let index = ABSOLUTE_POS;
         if index < out.len() {
-            // The value's index split over the dimensions, last first.
-            let mut rest = index;
-            let mut at_gate = 0usize;
-            let mut at_up = 0usize;
-            let mut dim = gate.rank();
-            while dim > 0 {
-                dim -= 1;
-                let size = gate.shape(dim);
-                let coordinate = rest % size;
-                at_gate += coordinate * gate.stride(dim);
-                at_up += coordinate * up.stride(dim);
-                rest /= size;
-            }
+            let at_gate = strided_offset(gate, index);
+            let at_up = strided_offset(up, index);
             let x = gate[at_gate];
             let sigmoid = f32::exp(-f32::ln(f32::exp(-x) + 1.0f32));
             out[index] = x * sigmoid * up[at_up];
@@ -65,18 +70,8 @@ mod kernel {
     ) {
         let index = ABSOLUTE_POS;
         if index < grad.len() {
-            let mut rest = index;
-            let mut at_gate = 0usize;
-            let mut at_up = 0usize;
-            let mut dim = gate.rank();
-            while dim > 0 {
-                dim -= 1;
-                let size = gate.shape(dim);
-                let coordinate = rest % size;
-                at_gate += coordinate * gate.stride(dim);
-                at_up += coordinate * up.stride(dim);
-                rest /= size;
-            }
+            let at_gate = strided_offset(gate, index);
+            let at_up = strided_offset(up, index);
             let width = gate.shape(gate.rank() - 1);
             let x = gate[at_gate];
             let g = grad[index];
