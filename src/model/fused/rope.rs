@@ -140,9 +140,9 @@ impl<C: CheckpointStrategy> RopeBackend for Autodiff<Flex, C> {
 }
 
 /// `x cos + rotate_half(x) sin` (rotate-half layout): fused on the CPU, one kernel on a GPU
-/// ([`super::gpu::rope`], within the last bit of burn's; under autodiff [`super::gpu::rope_tracked`],
-/// its backward one kernel too), burn's ops elsewhere; the same values on the CPU either way. Differentiable in `x` (the tables are
-/// constants).
+/// ([`super::gpu::rope`], within the last bit of burn's; under autodiff
+/// [`super::gpu::rope_tracked`], its backward one kernel too), burn's ops elsewhere; the same
+/// values on the CPU either way. Differentiable in `x` (the tables are constants).
 ///
 /// # Shapes
 /// `x`: `[batch, heads, seq, head_dim]`, `cos`/`sin`: `[batch, 1, seq, head_dim]` -> like `x`
