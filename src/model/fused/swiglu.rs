@@ -425,14 +425,10 @@ pub fn swiglu_stacked<const D: usize>(
     half_dims[D - 1] /= 2;
     let width = half_dims[D - 1];
     let fits = |t: &Option<Tensor<D>>| t.as_ref().is_none_or(|t| t.dims() == half_dims && t.dtype() == DType::F32);
-    let fused = on_flex(&gate_up)
-        && gate_up.dtype() == DType::F32
-        && gate_up.dims()[D - 1] == 2 * width
-        && fits(&delta_gate)
-        && fits(&delta_up);
+    let shapes_fit = gate_up.dims()[D - 1] == 2 * width && fits(&delta_gate) && fits(&delta_up);
+    let fused = on_flex(&gate_up) && gate_up.dtype() == DType::F32 && shapes_fit;
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    if gate_up.dims()[D - 1] == 2 * width && fits(&delta_gate) && fits(&delta_up) && super::gpu::takes_tracked(&gate_up)
-    {
+    if shapes_fit && super::gpu::takes_tracked(&gate_up) {
         if let Some(out) = super::gpu::swiglu_stacked_tracked(&gate_up, delta_gate.as_ref(), delta_up.as_ref()) {
             return out;
         }

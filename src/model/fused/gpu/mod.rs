@@ -104,6 +104,17 @@ fn apply_tracked<const D: usize, const N: usize>(op: impl TrackedOp<N>, inputs: 
     Some(Tensor::from_primitive::<Balanced>(op.apply::<BalancedCheckpointing>(balanced)))
 }
 
+/// Columns `start..start + width` of `tensor`'s last dimension: a view where burn-cubecl's
+/// `slice` can make one (an aligned start), a copy otherwise.
+fn last_dim_slice(tensor: &Primitive, start: usize, width: usize) -> Primitive {
+    let dims = tensor.meta.shape().as_slice();
+    let mut ranges: Vec<_> = dims.iter().map(|&d| 0..d).collect();
+    if let Some(last) = ranges.last_mut() {
+        *last = start..start + width;
+    }
+    burn_cubecl::kernel::slice(tensor.clone(), &ranges)
+}
+
 /// An empty contiguous f32 tensor of `like`'s shape on its device, for a kernel's output.
 fn empty_like(like: &Primitive) -> Primitive {
     empty_of(like, like.meta.shape().clone())

@@ -166,13 +166,12 @@ struct RmsNorm {
 
 impl TrackedOp<1> for RmsNorm {
     fn apply<C: CheckpointStrategy>(self, [xa]: [FloatTensor<Autodiff<Cube, C>>; 1]) -> FloatTensor<Autodiff<Cube, C>> {
-        match RmsNormBackward.prepare::<C>([xa.node()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let xp = untile(xa.primitive().clone());
-                let out = forward(xp.clone(), self.weight.clone(), self.eps);
-                prep.finish(Saved { x: xp, norm: self }, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(forward(xa.into_primitive(), self.weight, self.eps)),
+        let node = xa.node();
+        let xp = untile(xa.into_primitive());
+        let out = forward(xp.clone(), self.weight.clone(), self.eps);
+        match RmsNormBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(Saved { x: xp, norm: self }, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 }

@@ -127,12 +127,11 @@ struct Rotation {
 
 impl TrackedOp<1> for Rotation {
     fn apply<C: CheckpointStrategy>(self, [xa]: [FloatTensor<Autodiff<Cube, C>>; 1]) -> FloatTensor<Autodiff<Cube, C>> {
-        match RopeBackward.prepare::<C>([xa.node()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = forward(xa.primitive().clone(), &self.cos, &self.sin);
-                prep.finish(self, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(forward(xa.into_primitive(), &self.cos, &self.sin)),
+        let node = xa.node();
+        let out = forward(xa.into_primitive(), &self.cos, &self.sin);
+        match RopeBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(self, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 }

@@ -15,9 +15,9 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Cube};
 use burn::tensor::Tensor;
-use burn_cubecl::kernel::{slice, untile};
+use burn_cubecl::kernel::untile;
 
-use super::{apply_tracked, Primitive, TrackedOp};
+use super::{apply_tracked, last_dim_slice, Primitive, TrackedOp};
 use crate::model::fused::linear::dense_linear_backward;
 
 /// The parts of `stacked`, the product of `x` and a frozen dense `weight` (any bias added),
@@ -40,10 +40,8 @@ pub fn stacked_parts_tracked(
     let mut start = 0;
     let mut parts = Vec::with_capacity(widths.len());
     for &width in widths {
-        let dims = stacked.meta.shape().as_slice().to_vec();
-        let mut ranges: Vec<_> = dims.iter().map(|&d| 0..d).collect();
-        ranges[dims.len() - 1] = start..start + width;
-        let part = Part { value: slice(stacked.clone(), &ranges), weight: weight.clone().narrow(0, start, width) };
+        let part =
+            Part { value: last_dim_slice(&stacked, start, width), weight: weight.clone().narrow(0, start, width) };
         parts.push(apply_tracked(part, [x.clone()])?);
         start += width;
     }

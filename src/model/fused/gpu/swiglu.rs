@@ -17,10 +17,10 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Cube};
 use burn::tensor::{Shape, Tensor};
-use burn_cubecl::kernel::{into_contiguous, slice, untile};
+use burn_cubecl::kernel::{into_contiguous, untile};
 use burn_cubecl::ops::numeric::add;
 
-use super::{apply_tracked, elementwise_launch, empty_like, empty_of, Primitive, TrackedOp};
+use super::{apply_tracked, elementwise_launch, empty_like, empty_of, last_dim_slice, Primitive, TrackedOp};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -147,28 +147,18 @@ struct Stacked;
 /// The gate and `up` halves of a stacked product (views, not copies, where the alignment allows).
 fn halves(gate_up: Primitive) -> (Primitive, Primitive) {
     let gate_up = untile(gate_up);
-    let dims = gate_up.meta.shape().as_slice().to_vec();
-    let width = dims[dims.len() - 1] / 2;
-    let range = |start: usize| -> Vec<std::ops::Range<usize>> {
-        let mut ranges: Vec<_> = dims.iter().map(|&d| 0..d).collect();
-        ranges[dims.len() - 1] = start..start + width;
-        ranges
-    };
-    (slice(gate_up.clone(), &range(0)), slice(gate_up, &range(width)))
+    let width = gate_up.meta.shape().as_slice().last().copied().unwrap_or(0) / 2;
+    (last_dim_slice(&gate_up, 0, width), last_dim_slice(&gate_up, width, width))
 }
 
 impl TrackedOp<1> for Stacked {
     fn apply<C: CheckpointStrategy>(self, [ga]: [FloatTensor<Autodiff<Cube, C>>; 1]) -> FloatTensor<Autodiff<Cube, C>> {
-        match StackedBackward.prepare::<C>([ga.node()]).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let (gate, up) = halves(ga.primitive().clone());
-                let out = forward(gate.clone(), up.clone());
-                prep.finish(Saved { gate, up }, out)
-            }
-            OpsKind::UnTracked(prep) => {
-                let (gate, up) = halves(ga.into_primitive());
-                prep.finish(forward(gate, up))
-            }
+        let node = ga.node();
+        let (gate, up) = halves(ga.into_primitive());
+        let out = forward(gate.clone(), up.clone());
+        match StackedBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(Saved { gate, up }, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 }
@@ -181,12 +171,10 @@ impl TrackedOp<3> for Stacked {
         let parents = [ga.node(), dg.node(), du.node()];
         let (gate, up) = halves(ga.into_primitive());
         let (gate, up) = (add(gate, dg.into_primitive()), add(up, du.into_primitive()));
+        let out = forward(gate.clone(), up.clone());
         match StackedDeltaBackward.prepare::<C>(parents).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => {
-                let out = forward(gate.clone(), up.clone());
-                prep.finish(Saved { gate, up }, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(forward(gate, up)),
+            OpsKind::Tracked(prep) => prep.finish(Saved { gate, up }, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 }
