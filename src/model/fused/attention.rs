@@ -479,7 +479,8 @@ impl<C: CheckpointStrategy> MaskedAttentionBackend for Autodiff<Flex, C> {
 /// on a GPU, burn-cubecl's flash kernel when `kernel` asks for it
 /// ([`super::flash::grouped_flash_attention`]; where it cannot run, the materialized kernel with a
 /// warning per reason), else the materialized products around one softmax kernel
-/// (`super::gpu::attention`). `mask` and `host_mask` are the same mask.
+/// (`super::gpu::attention`), and under autodiff on a GPU that kernel's node with a backward of
+/// its own (`super::gpu::attention_tracked`). `mask` and `host_mask` are the same mask.
 ///
 /// # Shapes
 /// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
@@ -517,6 +518,12 @@ pub fn attention(
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if super::gpu::attention_applies(&q, &k, &v, mask) {
         return super::gpu::attention(q, k, v, mask);
+    }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if differentiable && super::gpu::takes_tracked(&q) {
+        if let Some(out) = super::gpu::attention_tracked(&q, &k, &v, mask) {
+            return out;
+        }
     }
     grouped_attention(q, k, v, mask)
 }

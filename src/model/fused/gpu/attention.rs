@@ -10,14 +10,25 @@
 //! its row modulo the mask's rows, so the folded heads share the mask as it is. The values are
 //! burn's (the same products, the same scale, exponential and division); the sums run in another
 //! order.
+//!
+//! Under autodiff (the update) the same forward is one autodiff node over the queries, keys and
+//! values ([`attention_tracked`]) that keeps the probabilities, and its backward is four products
+//! around one kernel: `dv = p^T do`, `dp = do v^T`, `ds = scale p (dp - rowsum(p dp))` (the
+//! kernel, one cube a row), `dq = ds k`, `dk = ds^T q`. burn differentiates its composite one
+//! operation at a time: each of the nine kernels' backwards, and the mask's repeat.
 
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::backend::Cube;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Cube};
 use burn::tensor::{Bool, Tensor};
 use burn_cubecl::cubecl::ir::ElemType;
-use burn_cubecl::kernel::untile;
+use burn_cubecl::kernel::{into_contiguous, untile};
 
-use super::{empty_like, row_launch};
+use super::{apply_tracked, empty_like, row_launch, Primitive, TrackedOp};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -91,6 +102,42 @@ mod kernel {
             }
         }
     }
+
+    /// The softmax's backward, one cube per row of `p` (contiguous `[rows, keys]`, the forward's
+    /// probabilities): `ds` (contiguous, `p`'s shape) gets `scale * p * (dp - sum(p * dp))` for
+    /// the probabilities' gradient `dp` (contiguous, `p`'s shape). Hidden keys have `p = 0`, so
+    /// their gradient is zero. `units` is the cube's size, a power of two.
+    #[cube(launch)]
+    pub(super) fn softmax_backward_kernel(
+        p: &Tensor<f32>,
+        dp: &Tensor<f32>,
+        ds: &mut Tensor<f32>,
+        rows: usize,
+        keys: usize,
+        scale: f32,
+        #[comptime] units: usize,
+    ) {
+        let row = cube_row();
+        let unit = UNIT_POS_X as usize;
+        let stride = CUBE_DIM_X as usize;
+        // Every unit of a cube takes the same branch, so the barrier below stays uniform.
+        if row < rows {
+            let start = row * keys;
+            let mut dot = 0.0f32;
+            let mut i = unit;
+            while i < keys {
+                dot += p[start + i] * dp[start + i];
+                i += stride;
+            }
+            let mut partial = Shared::<[f32]>::new_slice(units);
+            let total = cube_reduce(&mut partial, dot, false);
+            let mut i = unit;
+            while i < keys {
+                ds[start + i] = scale * p[start + i] * (dp[start + i] - total);
+                i += stride;
+            }
+        }
+    }
 }
 
 /// Whether [`attention`] runs here: plain f32 queries, keys and values on a cubecl device
@@ -148,4 +195,136 @@ fn masked_softmax(scores: Tensor<4>, mask: &Tensor<4, Bool>, scale: f32) -> Tens
         mask_type,
     );
     Tensor::from_primitive::<Cube>(out)
+}
+
+/// [`attention`] for f32 queries, keys and values under autodiff on a cubecl device
+/// ([`super::takes_tracked`]), one autodiff node whose backward is four products and one kernel
+/// ([`AttendBackward`]). `None`, with nothing run, when the tensors are not of that form or the
+/// mask is not stored as integers. The mask takes no gradient.
+///
+/// # Shapes
+/// `q`: `[batch, heads, seq, head_dim]`, `k`/`v`: `[batch, kv_heads, keys, head_dim]`, `mask`:
+/// `[batch, 1, seq, keys]` (`true`: hidden) -> `[batch, heads, seq, head_dim]`
+pub fn attention_tracked(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, mask: &Tensor<4, Bool>) -> Option<Tensor<4>> {
+    let mask = mask.clone().without_autodiff();
+    if !matches!(dtype_to_storage_type(mask.dtype()), ElemType::UInt(_))
+        || mask.clone().try_into_primitive::<Cube>().is_err()
+    {
+        return None;
+    }
+    let [batch, heads, seq, head_dim] = q.dims();
+    let kv_heads = k.dims()[1];
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return None;
+    }
+    let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
+    // `fused::attention`'s folding: query head `h` reads key/value head `h / group`.
+    let folded = q.clone().reshape([batch, kv_heads, heads / kv_heads * seq, head_dim]);
+    let out = apply_tracked(Attend { mask, scale }, [folded, k.clone(), v.clone()])?;
+    Some(out.reshape([batch, heads, seq, head_dim]))
+}
+
+/// The attention as an autodiff node over the (folded) queries, keys and values.
+#[derive(Clone, Debug)]
+struct Attend {
+    /// `[batch, 1, seq, keys]`, without autodiff.
+    mask: Tensor<4, Bool>,
+    scale: f32,
+}
+
+/// A primitive as a plain tensor on its cubecl device.
+fn plain(primitive: Primitive) -> Tensor<4> {
+    Tensor::from_primitive::<Cube>(primitive)
+}
+
+/// A plain tensor's primitive (a product of tensors on a cubecl device stays there).
+fn primitive(tensor: Tensor<4>) -> Primitive {
+    tensor.try_into_primitive::<Cube>().expect("a cubecl product stays on its device")
+}
+
+impl TrackedOp<3> for Attend {
+    fn apply<C: CheckpointStrategy>(
+        self,
+        [qa, ka, va]: [FloatTensor<Autodiff<Cube, C>>; 3],
+    ) -> FloatTensor<Autodiff<Cube, C>> {
+        let parents = [qa.node(), ka.node(), va.node()];
+        let (q, k, v) = (plain(qa.into_primitive()), plain(ka.into_primitive()), plain(va.into_primitive()));
+        let p = masked_softmax(q.clone().matmul(k.clone().transpose()), &self.mask, self.scale);
+        let out = primitive(p.clone().matmul(v.clone()));
+        match AttendBackward.prepare::<C>(parents).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(Saved { q, k, v, p, scale: self.scale }, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+}
+
+/// What the attention's backward reads: its inputs and the probabilities.
+#[derive(Clone, Debug)]
+struct Saved {
+    /// `[batch, kv_heads, rows, head_dim]` (the folded queries)
+    q: Tensor<4>,
+    /// `[batch, kv_heads, keys, head_dim]`
+    k: Tensor<4>,
+    /// `[batch, kv_heads, keys, head_dim]`
+    v: Tensor<4>,
+    /// `[batch, kv_heads, rows, keys]`, contiguous
+    p: Tensor<4>,
+    scale: f32,
+}
+
+/// The backward of [`Attend`].
+#[derive(Debug)]
+struct AttendBackward;
+
+impl Backward<Cube, 3> for AttendBackward {
+    type State = Saved;
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad = plain(grads.consume::<Cube>(&ops.node));
+        let Saved { q, k, v, p, scale } = ops.state;
+        if let Some(node) = node_v {
+            grads.register::<Cube>(node.id, primitive(p.clone().transpose().matmul(grad.clone())));
+        }
+        if node_q.is_none() && node_k.is_none() {
+            return;
+        }
+        let ds = plain(softmax_backward(primitive(p), primitive(grad.matmul(v.transpose())), scale));
+        if let Some(node) = node_q {
+            grads.register::<Cube>(node.id, primitive(ds.clone().matmul(k)));
+        }
+        if let Some(node) = node_k {
+            grads.register::<Cube>(node.id, primitive(ds.transpose().matmul(q)));
+        }
+    }
+}
+
+/// The scores' gradient `scale * p * (dp - rowsum(p * dp))`, one launch.
+///
+/// # Shapes
+/// `p`, `dp`: `[batch, heads, rows, keys]` (`p` contiguous) -> like `p` (contiguous)
+fn softmax_backward(p: Primitive, dp: Primitive, scale: f32) -> Primitive {
+    let (p, dp) = (into_contiguous(untile(p)), into_contiguous(untile(dp)));
+    let ds = empty_like(&p);
+    let dims = p.meta.shape().as_slice();
+    let keys = dims.last().copied().unwrap_or(0);
+    let rows: usize = dims.iter().rev().skip(1).product();
+    if rows == 0 || keys == 0 {
+        return ds;
+    }
+    let (count, cube_dim, units) = row_launch(rows, keys);
+    let client = p.client.clone();
+    kernel::softmax_backward_kernel::launch(
+        &client,
+        count,
+        cube_dim,
+        p.into_tensor_arg(),
+        dp.into_tensor_arg(),
+        ds.clone().into_tensor_arg(),
+        rows,
+        keys,
+        scale,
+        units,
+    );
+    ds
 }

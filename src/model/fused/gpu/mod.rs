@@ -20,6 +20,8 @@
 //!   one kernel writing that product's whole gradient.
 //! - [`stacked_parts_tracked`]: the stacked q/k/v projection's parts, each differentiated
 //!   through its own rows of the weight.
+//! - [`attention_tracked`]: the attention's two products around the softmax kernel as one node,
+//!   its backward four products around one kernel.
 //!
 //! For other dtypes and with `TROUPE_GPU_KERNELS=burn`, burn's composites run.
 
@@ -41,7 +43,7 @@ mod swiglu;
 mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
-pub use attention::attention;
+pub use attention::{attention, attention_tracked};
 pub use rms_norm::{rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
 pub use split::stacked_parts_tracked;
