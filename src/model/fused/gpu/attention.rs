@@ -28,7 +28,7 @@ use burn::tensor::{Bool, Tensor};
 use burn_cubecl::cubecl::ir::ElemType;
 use burn_cubecl::kernel::{into_contiguous, untile};
 
-use super::{apply_tracked, empty_like, row_launch, Primitive, TrackedOp};
+use super::{apply_tracked, empty_like, into_primitive, row_launch, Primitive, TrackedOp};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -143,7 +143,12 @@ mod kernel {
 /// Whether [`attention`] runs here: plain f32 queries, keys and values on a cubecl device
 /// ([`super::takes`]) and a mask stored as integers.
 pub fn applies(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, mask: &Tensor<4, Bool>) -> bool {
-    [q, k, v].into_iter().all(super::takes) && matches!(dtype_to_storage_type(mask.dtype()), ElemType::UInt(_))
+    [q, k, v].into_iter().all(super::takes) && integer_mask(mask)
+}
+
+/// Whether `mask` is stored as integers, the form the softmax kernel reads.
+fn integer_mask(mask: &Tensor<4, Bool>) -> bool {
+    matches!(dtype_to_storage_type(mask.dtype()), ElemType::UInt(_))
 }
 
 /// Masked grouped-query attention, scale `1 / sqrt(head_dim)`: the query heads of each
@@ -207,9 +212,7 @@ fn masked_softmax(scores: Tensor<4>, mask: &Tensor<4, Bool>, scale: f32) -> Tens
 /// `[batch, 1, seq, keys]` (`true`: hidden) -> `[batch, heads, seq, head_dim]`
 pub fn attention_tracked(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, mask: &Tensor<4, Bool>) -> Option<Tensor<4>> {
     let mask = mask.clone().without_autodiff();
-    if !matches!(dtype_to_storage_type(mask.dtype()), ElemType::UInt(_))
-        || mask.clone().try_into_primitive::<Cube>().is_err()
-    {
+    if !integer_mask(&mask) || mask.clone().try_into_primitive::<Cube>().is_err() {
         return None;
     }
     let [batch, heads, seq, head_dim] = q.dims();
@@ -237,11 +240,6 @@ fn plain(primitive: Primitive) -> Tensor<4> {
     Tensor::from_primitive::<Cube>(primitive)
 }
 
-/// A plain tensor's primitive (a product of tensors on a cubecl device stays there).
-fn primitive(tensor: Tensor<4>) -> Primitive {
-    tensor.try_into_primitive::<Cube>().expect("a cubecl product stays on its device")
-}
-
 impl TrackedOp<3> for Attend {
     fn apply<C: CheckpointStrategy>(
         self,
@@ -250,7 +248,7 @@ impl TrackedOp<3> for Attend {
         let parents = [qa.node(), ka.node(), va.node()];
         let (q, k, v) = (plain(qa.into_primitive()), plain(ka.into_primitive()), plain(va.into_primitive()));
         let p = masked_softmax(q.clone().matmul(k.clone().transpose()), &self.mask, self.scale);
-        let out = primitive(p.clone().matmul(v.clone()));
+        let out = into_primitive(p.clone().matmul(v.clone()));
         match AttendBackward.prepare::<C>(parents).compute_bound().stateful() {
             OpsKind::Tracked(prep) => prep.finish(Saved { q, k, v, p, scale: self.scale }, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
@@ -284,17 +282,17 @@ impl Backward<Cube, 3> for AttendBackward {
         let grad = plain(grads.consume::<Cube>(&ops.node));
         let Saved { q, k, v, p, scale } = ops.state;
         if let Some(node) = node_v {
-            grads.register::<Cube>(node.id, primitive(p.clone().transpose().matmul(grad.clone())));
+            grads.register::<Cube>(node.id, into_primitive(p.clone().transpose().matmul(grad.clone())));
         }
         if node_q.is_none() && node_k.is_none() {
             return;
         }
-        let ds = plain(softmax_backward(primitive(p), primitive(grad.matmul(v.transpose())), scale));
+        let ds = plain(softmax_backward(into_primitive(p), into_primitive(grad.matmul(v.transpose())), scale));
         if let Some(node) = node_q {
-            grads.register::<Cube>(node.id, primitive(ds.clone().matmul(k)));
+            grads.register::<Cube>(node.id, into_primitive(ds.clone().matmul(k)));
         }
         if let Some(node) = node_k {
-            grads.register::<Cube>(node.id, primitive(ds.transpose().matmul(q)));
+            grads.register::<Cube>(node.id, into_primitive(ds.transpose().matmul(q)));
         }
     }
 }

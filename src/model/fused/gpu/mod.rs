@@ -117,6 +117,12 @@ fn last_dim_slice(tensor: &Primitive, start: usize, width: usize) -> Primitive {
     burn_cubecl::kernel::slice(tensor.clone(), &ranges)
 }
 
+/// A plain tensor's primitive on its cubecl device, for a backward that computed it there from
+/// primitives of that device (a product stays on the device of its operands).
+fn into_primitive<const D: usize>(tensor: Tensor<D>) -> Primitive {
+    tensor.try_into_primitive::<Cube>().expect("a cubecl product stays on its device")
+}
+
 /// An empty contiguous f32 tensor of `like`'s shape on its device, for a kernel's output.
 fn empty_like(like: &Primitive) -> Primitive {
     empty_of(like, like.meta.shape().clone())

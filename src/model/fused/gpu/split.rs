@@ -17,7 +17,7 @@ use burn::backend::{Autodiff, Cube};
 use burn::tensor::Tensor;
 use burn_cubecl::kernel::untile;
 
-use super::{apply_tracked, last_dim_slice, Primitive, TrackedOp};
+use super::{apply_tracked, into_primitive, last_dim_slice, Primitive, TrackedOp};
 use crate::model::fused::linear::dense_linear_backward;
 
 /// The parts of `stacked`, the product of `x` and a frozen dense `weight` (any bias added),
@@ -80,10 +80,6 @@ impl Backward<Cube, 1> for PartBackward {
         let [batch, seq, width] = grad.dims();
         let dx = dense_linear_backward(grad.reshape([batch * seq, width]), &ops.state);
         let hidden = dx.dims()[1];
-        let dx = dx
-            .reshape([batch, seq, hidden])
-            .try_into_primitive::<Cube>()
-            .expect("a cubecl product stays on its device");
-        grads.register::<Cube>(node.id, dx);
+        grads.register::<Cube>(node.id, into_primitive(dx.reshape([batch, seq, hidden])));
     }
 }
