@@ -301,8 +301,8 @@ fn an_external_environments_process_group_dies_with_a_killed_troupe() {
 }
 
 /// A Python environment (python/troupe_env.py) that first starts a daemon, a grandchild that left
-/// its group and session (fork, `setsid`, fork), whose pid it writes to `pid_file`; then serves
-/// a one-move game, or hangs on `reset` when `hang` is set.
+/// its group and session (fork, `setsid`, fork), which writes its pid to `pid_file`; once the
+/// file is there, serves a one-move game, or hangs on `reset` when `hang` is set.
 #[cfg(target_os = "linux")]
 fn daemonizing_env(dir: &Path, pid_file: &Path, hang: bool) -> String {
     let module_dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("python");
@@ -321,6 +321,10 @@ if os.fork() == 0:
         time.sleep(1000)
     os._exit(0)
 os.wait()
+# The daemon is started once its pid is on disk: the game waits for it, so that troupe's end
+# cannot come before the daemon has written it.
+while not os.path.exists({pid_file:?}):
+    time.sleep(0.01)
 
 class OneMove(Environment):
     name = "one_move"
