@@ -1,5 +1,6 @@
 //! Kernel launches per workload on a GPU device: a decoded token (batch 1 and 16, the `small`
-//! preset or `TROUPE_BENCH_PRESETS`' first), a 1 x 128 prefill, a LoRA training step's forward,
+//! preset or `TROUPE_BENCH_PRESETS`' first; and batch 16 over two agents' adapters, r8 on
+//! q,k,v,o, as a rollout decodes), a 1 x 128 prefill, a LoRA training step's forward,
 //! backward and AdamW (r8 on q,k,v,o, 8 x 128 tokens, as `benches/adapters.rs` times it) and a
 //! mixed-adapter forward of 32 x 64 rows over 1 and 8 adapters. Each workload runs once to
 //! compile its kernels, then once counted. Counts, not times: they are the same on any cubecl
@@ -117,6 +118,26 @@ mod counts {
                 report(&format!("generate b{batch}, first token (prefill 16)"), &one, 1.0);
                 report(&format!("decode b{batch}, per token"), &diff(&nine, &one), 8.0);
             }
+            // A rollout's decoding: 16 rows, two agents' adapters (r8 on q,k,v,o) in turn.
+            let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+            manager.create_adapters(2, &AdapterConfig::default()).unwrap();
+            let agents: Vec<Option<usize>> = (0..16).map(|i| Some(i % 2)).collect();
+            let prompts = rows(&mut rng, 16, 16);
+            let run = |n| {
+                let options = GenerateOptions {
+                    max_new_tokens: n,
+                    sampling: SamplingConfig::greedy(),
+                    seed: 0,
+                    stop_at_eos: false,
+                    use_cache: true,
+                };
+                let (delta, _) = manager.mixed(&agents, false).unwrap();
+                counted(|| generate(&model.lm, &[], &prompts, &options, Some(&delta)).unwrap()).1
+            };
+            run(9);
+            let one = run(1);
+            let nine = run(9);
+            report("decode b16, two adapters, per token", &diff(&nine, &one), 8.0);
         }
         if want("prefill") {
             let r = rows(&mut rng, 1, 128);

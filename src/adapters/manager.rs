@@ -265,7 +265,12 @@ impl MultiAdapterManager {
             Some(factors) => factors.clone(),
             None => {
                 let refs: Vec<&LoraAdapter> = key.0.iter().map(|n| &self.adapters[n]).collect();
-                let factors = Arc::new(StackedFactors::new(&refs, &in_use, shared, &self.base, &self.device));
+                let factors = StackedFactors::new(&refs, &in_use, shared, &self.base, &self.device);
+                // On a GPU, where a decoding step's time is in its launches, each layer's q/k/v
+                // deltas run as one; the CPU keeps one delta a site (its arithmetic unchanged).
+                let factors =
+                    if self.device == Device::flex() { factors } else { factors.joined(&self.base, &self.device) };
+                let factors = Arc::new(factors);
                 if cache.len() >= CACHED_LISTS {
                     cache.clear();
                 }

@@ -61,6 +61,9 @@ pub struct MixedLora {
 #[derive(Clone, Debug)]
 pub struct StackedFactors {
     sites: HashMap<Site, SiteFactors>,
+    /// Per layer: its q, k and v sites' factors joined into one, where [`StackedFactors::joined`]
+    /// joined them.
+    joints: HashMap<usize, SiteFactors>,
     /// Per distinct list of stacked adapters, in the order the sites first use it: the list and
     /// each adapter's rank (its rank mask's layout).
     stackings: Vec<(Vec<usize>, Vec<usize>)>,
@@ -164,7 +167,93 @@ impl StackedFactors {
                 sites.insert(site, SiteFactors::Stacked { a, b_scaled, mask });
             }
         }
-        Self { sites, stackings, shared }
+        Self { sites, stackings, joints: HashMap::new(), shared }
+    }
+
+    /// The same factors, with each layer's q, k and v sites also joined into one (used by
+    /// [`ProjectionDelta::joint_delta`]): `A` the sites' `A`s stacked along the rank, `B` their
+    /// scaled `B`s on the diagonal of a block matrix, `[q + k + v, R_q + R_k + R_v]`, zeros
+    /// elsewhere (all-zero rows for a part no adapter targets), and for mixed rows one rank mask
+    /// over the three sites' columns. A layer's three deltas then cost two products, one
+    /// multiply and one add to the stacked q/k/v output, instead of that for each site: a
+    /// decoding step on a GPU is bound by its kernel launches. A layer is joined where at least
+    /// two of its three sites are targeted and the joined rank is at most
+    /// `max(hidden / 8, 64)`, so that the block matrix's zeros cost little beside the q/k/v
+    /// product. For constant factors: the joint ones are outside autodiff.
+    pub fn joined(mut self, base: &ModelConfig, device: &Device) -> Self {
+        let max_rank = (base.hidden_size / 8).max(64);
+        for layer in 0..base.num_hidden_layers {
+            let parts: Vec<(Option<&SiteFactors>, usize)> =
+                JOINED.iter().map(|&p| (self.sites.get(&(layer, p)), p.dims(base).1)).collect();
+            let targeted: Vec<&SiteFactors> = parts.iter().filter_map(|(f, _)| *f).collect();
+            let rank: usize = targeted.iter().map(|f| f.a().dims()[0]).sum();
+            if targeted.len() < 2 || rank > max_rank {
+                continue;
+            }
+            let a = Tensor::cat(targeted.iter().map(|f| f.a().clone().without_autodiff()).collect(), 0);
+            let mut before = 0;
+            let rows: Vec<Tensor<2>> = parts
+                .iter()
+                .map(|&(factors, width)| {
+                    let Some(factors) = factors else { return Tensor::zeros([width, rank], device) };
+                    let b = factors.b_scaled().clone().without_autodiff();
+                    let r = b.dims()[1];
+                    let mut pieces = Vec::with_capacity(3);
+                    if before > 0 {
+                        pieces.push(Tensor::zeros([width, before], device));
+                    }
+                    pieces.push(b);
+                    if before + r < rank {
+                        pieces.push(Tensor::zeros([width, rank - before - r], device));
+                    }
+                    before += r;
+                    Tensor::cat(pieces, 1)
+                })
+                .collect();
+            let b_scaled = Tensor::cat(rows, 0);
+            let joint = match targeted[0] {
+                SiteFactors::Shared { .. } => SiteFactors::Shared { a, b_scaled },
+                SiteFactors::Stacked { .. } => {
+                    // The mask of the sites' stackings side by side, in their order.
+                    let (mut list, mut ranks) = (Vec::new(), Vec::new());
+                    for factors in &targeted {
+                        if let SiteFactors::Stacked { mask, .. } = factors {
+                            list.extend_from_slice(&self.stackings[*mask].0);
+                            ranks.extend_from_slice(&self.stackings[*mask].1);
+                        }
+                    }
+                    let mask = match self.stackings.iter().position(|(l, r)| *l == list && *r == ranks) {
+                        Some(index) => index,
+                        None => {
+                            self.stackings.push((list, ranks));
+                            self.stackings.len() - 1
+                        }
+                    };
+                    SiteFactors::Stacked { a, b_scaled, mask }
+                }
+            };
+            self.joints.insert(layer, joint);
+        }
+        self
+    }
+}
+
+/// The sites [`StackedFactors::joined`] joins, in the order the model stacks their projection.
+const JOINED: [Projection; 3] = [Projection::Q, Projection::K, Projection::V];
+
+impl SiteFactors {
+    /// `A`: `[R, in]`.
+    fn a(&self) -> &Tensor<2> {
+        match self {
+            SiteFactors::Shared { a, .. } | SiteFactors::Stacked { a, .. } => a,
+        }
+    }
+
+    /// The scaled `B`: `[out, R]`.
+    fn b_scaled(&self) -> &Tensor<2> {
+        match self {
+            SiteFactors::Shared { b_scaled, .. } | SiteFactors::Stacked { b_scaled, .. } => b_scaled,
+        }
     }
 }
 
@@ -219,7 +308,29 @@ impl MixedLora {
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     fn delta_of(&self, layer: usize, projection: Projection, x: &Tensor<3>, tracked: bool) -> Option<Tensor<3>> {
         let factors = self.factors.sites.get(&(layer, projection))?;
-        let x = self.dropped(x);
+        Some(self.apply(factors, self.dropped(x), tracked))
+    }
+
+    /// [`ProjectionDelta::joint_delta`] for the q/k/v parts: the layer's joint factors
+    /// ([`StackedFactors::joined`]), for an input outside autodiff and without dropout.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]` -> `[batch, seq, q + k + v]`
+    fn joint_of(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
+        if x.is_autodiff() || self.dropout.is_some() || !parts.iter().map(|&(p, _)| p).eq(JOINED) {
+            return None;
+        }
+        let factors = self.factors.joints.get(&layer)?;
+        let width: usize = parts.iter().map(|&(_, width)| width).sum();
+        (factors.b_scaled().dims()[0] == width).then(|| self.apply(factors, x.clone(), false))
+    }
+
+    /// `((x A^T) * mask) B_scaled^T` for one site's (or a joint's) factors, with the factors
+    /// outside autodiff unless `tracked`.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
+    fn apply(&self, factors: &SiteFactors, x: Tensor<3>, tracked: bool) -> Tensor<3> {
         let plain = |t: &Tensor<2>| if tracked { t.clone() } else { t.clone().without_autodiff() };
         let [batch, seq, fan_in] = x.dims();
         let (a, b_scaled, mask) = match factors {
@@ -236,7 +347,7 @@ impl MixedLora {
             }
             None => down,
         };
-        Some(batched_matmul(down, b_scaled.transpose().unsqueeze()).reshape([batch, seq, out]))
+        batched_matmul(down, b_scaled.transpose().unsqueeze()).reshape([batch, seq, out])
     }
 }
 
@@ -246,6 +357,10 @@ struct Untracked<'a>(&'a MixedLora);
 impl ProjectionDelta for Untracked<'_> {
     fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>> {
         self.0.delta_of(layer, projection, x, false)
+    }
+
+    fn joint_delta(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
+        self.0.joint_of(layer, parts, x)
     }
 
     fn random_position(&self) -> Option<u128> {
@@ -262,6 +377,15 @@ impl ProjectionDelta for MixedLora {
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>> {
         self.delta_of(layer, projection, x, true)
+    }
+
+    /// The q/k/v parts' deltas as one, where the factors were joined ([`StackedFactors::joined`])
+    /// and `x` is outside autodiff, without dropout.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]` -> `[batch, seq, q + k + v]`
+    fn joint_delta(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
+        self.joint_of(layer, parts, x)
     }
 
     fn untracked(&self) -> Option<Box<dyn ProjectionDelta + '_>> {
@@ -407,6 +531,61 @@ mod tests {
         }
         // Sites targeted by the same adapters share one mask: {0, 1, 2} at q, {0} at v, {1} at o.
         assert_eq!(mixed.masks.len(), 3);
+    }
+
+    /// A layer's joined q/k/v factors give, as one tensor, each part's own delta side by side
+    /// (zeros for a part no adapter targets), for mixed rows, rows on one adapter, and a narrowed
+    /// batch; a layer with one targeted part is not joined, and an input under autodiff or other
+    /// parts get no joint delta.
+    #[test]
+    fn joined_qkv_deltas_are_the_parts_deltas_side_by_side() {
+        let base = Preset::Tiny.config();
+        let device = Device::flex();
+        let adapters = [
+            adapter(4, 8.0, false, vec![Projection::Q, Projection::V], 1, &base),
+            adapter(2, 16.0, true, vec![Projection::Q, Projection::K, Projection::V, Projection::O], 2, &base),
+            adapter(4, 8.0, false, vec![Projection::Q, Projection::O], 3, &base),
+        ];
+        let refs: Vec<&LoraAdapter> = adapters.iter().collect();
+        let parts: Vec<(Projection, usize)> = JOINED.iter().map(|&p| (p, p.dims(&base).1)).collect();
+        let (fan_in, _) = Projection::Q.dims(&base);
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let seq = 3;
+        let check = |mixed: &dyn ProjectionDelta, x: &Tensor<3>, what: &str| {
+            let batch = x.dims()[0];
+            let joint = mixed.joint_delta(1, &parts, x).unwrap_or_else(|| panic!("{what}: joined"));
+            let separate: Vec<Tensor<3>> = parts
+                .iter()
+                .map(|&(p, w)| mixed.delta(1, p, x).unwrap_or_else(|| Tensor::zeros([batch, seq, w], &device)))
+                .collect();
+            let (joint, separate) = (host(joint), host(Tensor::cat(separate, 2)));
+            assert_eq!(joint.len(), separate.len(), "{what}");
+            for (i, (j, s)) in joint.iter().zip(&separate).enumerate() {
+                assert!((j - s).abs() <= 1e-5 * (1.0 + s.abs()), "{what}: value {i}: {j} against {s}");
+            }
+        };
+        for rows in [vec![Some(0), None, Some(1), Some(0), Some(2)], vec![Some(1); 3], vec![Some(0); 2]] {
+            let (used, shared) = StackedFactors::layout(&rows);
+            let factors = StackedFactors::new(&refs, &used, shared, &base, &device).joined(&base, &device);
+            let mixed = MixedLora::with_factors(Arc::new(factors), &rows, &device);
+            let values: Vec<f32> = (0..rows.len() * seq * fan_in).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let x = Tensor::<3>::from_data(TensorData::new(values, [rows.len(), seq, fan_in]), &device);
+            check(&mixed, &x, &format!("rows {rows:?}"));
+            if rows.len() > 2 {
+                let picked = [2usize, 0];
+                let narrowed = mixed.select_rows(&picked).unwrap();
+                let index = Tensor::<1, Int>::from_data(TensorData::new(vec![2i64, 0], [2]), &device);
+                check(narrowed.as_ref(), &x.clone().select(0, index), &format!("rows {rows:?} narrowed"));
+            }
+            assert!(mixed.joint_delta(1, &parts, &x.clone().autodiff().require_grad()).is_none(), "under autodiff");
+            assert!(mixed.joint_delta(1, &parts[..2], &x).is_none(), "q and k alone");
+        }
+        // Rows all on the adapter of q and o: one q/k/v part targeted, nothing joined.
+        let rows = [Some(2), Some(2)];
+        let factors = StackedFactors::new(&refs, &[2], Some(2), &base, &device).joined(&base, &device);
+        let mixed = MixedLora::with_factors(Arc::new(factors), &rows, &device);
+        let x = Tensor::<3>::zeros([2, seq, fan_in], &device);
+        assert!(mixed.joint_delta(1, &parts, &x).is_none());
     }
 
     /// A narrowed batch applies the rows' own adapters.

@@ -104,6 +104,19 @@ pub trait ProjectionDelta {
     /// `x`: `[batch, seq, in_features]` -> `[batch, seq, out_features]`
     fn delta(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<Tensor<3>>;
 
+    /// The deltas of the projections `parts` (each with its output width), which read the same
+    /// input `x` and are stacked along their outputs in that order (q/k/v), as one tensor laid
+    /// out like the stacked output: each part's [`ProjectionDelta::delta`] in its columns, zeros
+    /// where none applies. `None` (the default) when this delta does not join these parts for
+    /// this input; callers then add each part's own delta.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in_features]` -> `[batch, seq, sum of the parts' widths]`
+    fn joint_delta(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
+        let _ = (layer, parts, x);
+        None
+    }
+
     /// Which adapter row `row` applies, as a key: rows with equal keys get equal deltas for
     /// equal inputs, so work on a prompt they share may be done once for them. `None` (the
     /// default) when rows cannot be told apart this way (or a row's delta is random, as under

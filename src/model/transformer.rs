@@ -295,52 +295,81 @@ pub struct ForwardArgs<'a> {
 }
 
 /// Applies a stacked projection to `x`, splits its output into its parts (along the last
-/// dimension) and adds each part's adapter delta, computed from `x`. On a GPU under autodiff
-/// each part of a dense projection is differentiated through its own rows of the weight
-/// ([`super::fused::gpu::stacked_parts_tracked`]); elsewhere the parts are narrows.
+/// dimension), each as heads of `head_dim` values, and adds each part's adapter delta, computed
+/// from `x` (for q/k/v, the parts' deltas joined into one where the adapters give them so,
+/// [`ProjectionDelta::joint_delta`]). On a GPU under autodiff each part of a dense projection is
+/// differentiated through its own rows of the weight
+/// ([`super::fused::gpu::stacked_parts_tracked`]); elsewhere the parts are views of the output.
 ///
 /// # Shapes
-/// `x`: `[batch, seq, hidden]` -> `[batch, seq, width]` for each part's width
+/// `x`: `[batch, seq, hidden]` -> `[batch, seq, width / head_dim, head_dim]` for each part's width
 fn split_project(
     linear: &FrozenLinear,
     x: &Tensor<3>,
     parts: &[(Projection, usize)],
     layer: usize,
     delta: Option<&dyn ProjectionDelta>,
-) -> Vec<Tensor<3>> {
+    head_dim: usize,
+) -> Vec<Tensor<4>> {
     let widths: Vec<usize> = parts.iter().map(|&(_, width)| width).collect();
-    let values = stacked_parts(linear, x, &widths);
+    if let Some(joint) = delta.and_then(|d| d.joint_delta(layer, parts, x)) {
+        // One add to the stacked output, then the parts as views of it.
+        return head_parts(linear.forward(x.clone()) + joint, &widths, head_dim);
+    }
+    let values = stacked_parts(linear, x, &widths, head_dim);
     values
         .into_iter()
         .zip(parts)
         .map(|(part, &(projection, _))| match delta.and_then(|d| d.delta(layer, projection, x)) {
-            Some(extra) => part + extra,
+            Some(extra) => {
+                let dims = part.dims();
+                part + extra.reshape(dims)
+            }
             None => part,
         })
         .collect()
 }
 
-/// The parts of `linear`'s output for `x`, `widths` wide in turn along the last dimension.
+/// The parts of `linear`'s output for `x`, `widths` wide in turn along the last dimension, as
+/// heads of `head_dim` values.
 ///
 /// # Shapes
-/// `x`: `[batch, seq, hidden]` -> `[batch, seq, widths[i]]` each
-fn stacked_parts(linear: &FrozenLinear, x: &Tensor<3>, widths: &[usize]) -> Vec<Tensor<3>> {
+/// `x`: `[batch, seq, hidden]` -> `[batch, seq, widths[i] / head_dim, head_dim]` each
+fn stacked_parts(linear: &FrozenLinear, x: &Tensor<3>, widths: &[usize], head_dim: usize) -> Vec<Tensor<4>> {
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if let LinearWeight::Dense(weight) = &linear.weight {
         if super::fused::gpu::takes_tracked(x) {
             let stacked = linear.forward(x.clone().without_autodiff());
             if let Some(parts) = super::fused::gpu::stacked_parts_tracked(x, stacked, weight, widths) {
-                return parts;
+                return parts
+                    .into_iter()
+                    .map(|part| {
+                        let [batch, seq, width] = part.dims();
+                        part.reshape([batch, seq, width / head_dim, head_dim])
+                    })
+                    .collect();
             }
         }
     }
-    let stacked = linear.forward(x.clone());
+    head_parts(linear.forward(x.clone()), widths, head_dim)
+}
+
+/// `stacked`'s parts, `widths` wide in turn along the last dimension, as views split into heads
+/// of `head_dim` values. The columns are narrowed on the `[batch * seq, width]` view and split
+/// from there: burn's reshape copies a narrowed `[batch, 1, width]` (a decoding step's) rather
+/// than split it, which cost three copies a layer at every decoded token.
+///
+/// # Shapes
+/// `stacked`: `[batch, seq, sum of widths]` -> `[batch, seq, widths[i] / head_dim, head_dim]` each
+fn head_parts(stacked: Tensor<3>, widths: &[usize], head_dim: usize) -> Vec<Tensor<4>> {
+    let [batch, seq, total] = stacked.dims();
+    let flat = stacked.reshape([batch * seq, total]);
     let mut start = 0;
     widths
         .iter()
         .map(|&width| {
             start += width;
-            stacked.clone().narrow(2, start - width, width)
+            flat.clone().narrow(1, start - width, width).reshape([batch, seq, width / head_dim, head_dim])
         })
         .collect()
 }
@@ -394,13 +423,12 @@ impl Attention {
         })
     }
 
-    /// Splits a projection's output into heads, with the per-head norm (Qwen3) if any.
+    /// A projection's output split into heads, with the per-head norm (Qwen3) if any, heads
+    /// first.
     ///
     /// # Shapes
-    /// `t`: `[batch, seq, heads * head_dim]` -> `[batch, heads, seq, head_dim]`
-    fn heads(&self, t: Tensor<3>, heads: usize, norm: &Option<RmsNorm>) -> Tensor<4> {
-        let [batch, seq, _] = t.dims();
-        let t = t.reshape([batch, seq, heads, self.head_dim]);
+    /// `t`: `[batch, seq, heads, head_dim]` -> `[batch, heads, seq, head_dim]`
+    fn heads(t: Tensor<4>, norm: &Option<RmsNorm>) -> Tensor<4> {
         let t = match norm {
             Some(norm) => norm.forward(t),
             None => t,
@@ -412,7 +440,7 @@ impl Attention {
     /// rotated, the values.
     ///
     /// # Shapes
-    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, heads * head_dim]` (queries),
+    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, heads, head_dim]` (queries),
     /// `[batch, kv_heads, seq, head_dim]` (keys, values)
     fn project_qkv(
         &self,
@@ -420,13 +448,13 @@ impl Attention {
         layer: usize,
         rope: (&Tensor<4>, &Tensor<4>),
         delta: Option<&dyn ProjectionDelta>,
-    ) -> (Tensor<3>, Tensor<4>, Tensor<4>) {
+    ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Projection::Q, q_width), (Projection::K, kv_width), (Projection::V, kv_width)];
-        let mut qkv = split_project(&self.qkv_proj, &x, &parts, layer, delta).into_iter();
+        let mut qkv = split_project(&self.qkv_proj, &x, &parts, layer, delta, self.head_dim).into_iter();
         let (q, k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
-        let k = RotaryEmbedding::apply(self.heads(k, self.num_kv_heads, &self.k_norm), rope.0, rope.1);
-        (q, k, self.heads(v, self.num_kv_heads, &None))
+        let k = RotaryEmbedding::apply(Self::heads(k, &self.k_norm), rope.0, rope.1);
+        (q, k, Self::heads(v, &None))
     }
 
     /// Appends `x`'s keys and values to the cache without attending (nothing reads this
@@ -452,7 +480,7 @@ impl Attention {
     ) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
         let (q, k, v) = self.project_qkv(x, layer, rope, args.delta);
-        let q = RotaryEmbedding::apply(self.heads(q, self.num_heads, &self.q_norm), rope.0, rope.1);
+        let q = RotaryEmbedding::apply(Self::heads(q, &self.q_norm), rope.0, rope.1);
         let (k, v) = match args.cache.as_deref_mut() {
             Some(cache) => cache.append(layer, k, v),
             None => (k, v),

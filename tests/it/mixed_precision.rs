@@ -213,7 +213,7 @@ fn adapters_trained_on_a_bf16_base_save_as_peft_in_f32_and_reload_on_an_f32_base
 /// this repository (not `TROUPE_FIXTURES`): the base's weights are the same in any regeneration.
 #[test]
 fn adapters_trained_in_bf16_match_peft_on_the_f32_and_the_bf16_model() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/bf16-trained");
+    let dir = repo_dir().join("fixtures/bf16-trained");
     let peft: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
     let model_dir = models_dir().join("tiny-qwen2");

@@ -5,12 +5,21 @@
 
 use std::path::{Path, PathBuf};
 
+/// This repository: `$CARGO_MANIFEST_DIR` as `cargo test` sets it when it runs the tests, else
+/// where the tests were built (a test executable built on one machine and run from a copy of the
+/// repository on another is given the copy's path, as `tools/gpu_check.sh` does).
+pub fn repo_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .filter(|dir| !dir.is_empty())
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 /// `fixtures/models` in this repository (see `fixtures/README.md`), or `$TROUPE_FIXTURES/models`
 /// to test against another copy (e.g. one just written by `fixtures/regenerate/models.py`).
 pub fn models_dir() -> PathBuf {
     match std::env::var_os("TROUPE_FIXTURES").filter(|dir| !dir.is_empty()) {
         Some(dir) => PathBuf::from(dir).join("models"),
-        None => PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/models")),
+        None => repo_dir().join("fixtures/models"),
     }
 }
 

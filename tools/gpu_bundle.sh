@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Builds, on a machine with a Rust toolchain (no GPU or CUDA toolkit needed), what checking troupe
+# on a GPU machine needs, all with `--features cuda`: the `troupe` binary, the `model` and
+# `adapters` benchmark executables and the integration-test executable `it`, stripped into one
+# xz archive for `tools/gpu_check.sh` (docs/gpu.md, "Checking a build on a GPU machine").
+#
+#   bash tools/gpu_bundle.sh [ARCHIVE]     # default gpu-bundle.tar.xz (about 25 MB)
+#
+# `CARGO_TARGET_DIR` is honoured (a separate one keeps the CPU build's artifacts).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+archive="${1:-gpu-bundle.tar.xz}"
+case "$archive" in
+    *.tar.xz) ;;
+    *) echo "error: the archive's name must end in .tar.xz: $archive" >&2; exit 2 ;;
+esac
+stage="$(mktemp -d)"
+trap 'rm -rf "$stage"' EXIT
+
+# Each cargo command's executables, as `NAME PATH` lines, from its JSON messages.
+executables() {
+    cargo "$@" --features cuda --message-format=json-render-diagnostics | python3 -c '
+import json, sys
+for line in sys.stdin:
+    if not line.startswith("{"):
+        continue
+    message = json.loads(line)
+    if message.get("reason") == "compiler-artifact" and message.get("executable"):
+        print(message["target"]["name"], message["executable"])
+'
+}
+
+{
+    executables build --release --bin troupe
+    executables bench --no-run --bench model --bench adapters
+    executables test --release --test it --no-run
+} >"$stage/list"
+for name in troupe model adapters it; do
+    path="$(awk -v n="$name" '$1 == n { print $2 }' "$stage/list" | tail -n 1)"
+    if [ -z "$path" ]; then
+        echo "error: cargo built no executable named $name" >&2
+        exit 1
+    fi
+    cp "$path" "$stage/$name"
+    strip "$stage/$name"
+done
+rm "$stage/list"
+tar -C "$stage" -cf - troupe model adapters it | xz -T0 -9 >"$archive.tmp"
+mv "$archive.tmp" "$archive"
+echo "$archive: $(du -h "$archive" | cut -f1)"
