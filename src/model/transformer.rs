@@ -11,7 +11,7 @@ use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 
 use super::attention_kernel::AttentionKernel;
 use super::config::{ModelConfig, ModelType};
-use super::fused::{attention, swiglu_stacked, HostMask};
+use super::fused::{add_rms_norm, attention, swiglu_stacked, HostMask};
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
 use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
 use super::weights::WeightSource;
@@ -382,12 +382,26 @@ fn project(
     projection: Projection,
     delta: Option<&dyn ProjectionDelta>,
 ) -> Tensor<3> {
-    let extra = delta.and_then(|d| d.delta(layer, projection, &x));
-    let base = linear.forward(x);
-    match extra {
-        Some(extra) => base + extra,
-        None => base,
+    match project_apart(linear, x, layer, projection, delta) {
+        (base, Some(extra)) => base + extra,
+        (base, None) => base,
     }
+}
+
+/// A projection's output and the adapter delta for it, if any, apart (for a caller that adds
+/// both to something else in one kernel).
+///
+/// # Shapes
+/// `x`: `[batch, seq, in]` -> `[batch, seq, out]` each
+fn project_apart(
+    linear: &FrozenLinear,
+    x: Tensor<3>,
+    layer: usize,
+    projection: Projection,
+    delta: Option<&dyn ProjectionDelta>,
+) -> (Tensor<3>, Option<Tensor<3>>) {
+    let extra = delta.and_then(|d| d.delta(layer, projection, &x));
+    (linear.forward(x), extra)
 }
 
 impl Attention {
@@ -436,6 +450,18 @@ impl Attention {
         t.swap_dims(1, 2)
     }
 
+    /// Queries or keys as rotated heads, heads first: the per-head norm (Qwen3) if any, then the
+    /// rotary embedding (one kernel on a GPU without gradients, [`super::fused::rms_norm_rope`]).
+    ///
+    /// # Shapes
+    /// `t`: `[batch, seq, heads, head_dim]` -> `[batch, heads, seq, head_dim]`
+    fn rotated_heads(t: Tensor<4>, norm: &Option<RmsNorm>, rope: (&Tensor<4>, &Tensor<4>)) -> Tensor<4> {
+        match norm {
+            Some(norm) => super::fused::rms_norm_rope(t, &norm.weight, norm.eps, rope.0, rope.1),
+            None => RotaryEmbedding::apply(t.swap_dims(1, 2), rope.0, rope.1),
+        }
+    }
+
     /// The q/k/v projection (one product): the queries as projected, the keys normed and
     /// rotated, the values.
     ///
@@ -453,7 +479,7 @@ impl Attention {
         let parts = [(Projection::Q, q_width), (Projection::K, kv_width), (Projection::V, kv_width)];
         let mut qkv = split_project(&self.qkv_proj, &x, &parts, layer, delta, self.head_dim).into_iter();
         let (q, k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
-        let k = RotaryEmbedding::apply(Self::heads(k, &self.k_norm), rope.0, rope.1);
+        let k = Self::rotated_heads(k, &self.k_norm, rope);
         (q, k, Self::heads(v, &None))
     }
 
@@ -469,25 +495,28 @@ impl Attention {
         }
     }
 
+    /// The attention's output projection and its adapter delta (if any), apart: the layer adds
+    /// both to the residual stream.
+    ///
     /// # Shapes
-    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`
+    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]` each
     fn forward(
         &self,
         x: Tensor<3>,
         layer: usize,
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
-    ) -> Tensor<3> {
+    ) -> (Tensor<3>, Option<Tensor<3>>) {
         let [batch, seq, _] = x.dims();
         let (q, k, v) = self.project_qkv(x, layer, rope, args.delta);
-        let q = RotaryEmbedding::apply(Self::heads(q, &self.q_norm), rope.0, rope.1);
+        let q = Self::rotated_heads(q, &self.q_norm, rope);
         let (k, v) = match args.cache.as_deref_mut() {
             Some(cache) => cache.append(layer, k, v),
             None => (k, v),
         };
         let out = attention(q, k, v, &args.layout.mask, &args.layout.host_mask, self.kernel);
         let out = out.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
-        project(&self.o_proj, out, layer, Projection::O, args.delta)
+        project_apart(&self.o_proj, out, layer, Projection::O, args.delta)
     }
 }
 
@@ -525,9 +554,11 @@ impl DecoderLayer {
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
     ) -> Tensor<3> {
-        let attended = self.self_attn.forward(self.input_layernorm.forward(x.clone()), layer, rope, args);
-        let x = x + attended;
-        let fed = self.mlp.forward(self.post_attention_layernorm.forward(x.clone()), layer, args.delta);
+        let (attended, extra) = self.self_attn.forward(self.input_layernorm.forward(x.clone()), layer, rope, args);
+        // The residual stream's sum and the MLP's norm of it (one kernel on a GPU).
+        let norm = &self.post_attention_layernorm;
+        let (x, normed) = add_rms_norm(x, attended, extra, &norm.weight, norm.eps);
+        let fed = self.mlp.forward(normed, layer, args.delta);
         x + fed
     }
 

@@ -348,6 +348,64 @@ fn rope_without_gradients_matches_f64_on_the_test_device() {
     }
 }
 
+/// Qwen3's per-head norm and rotation of the queries or keys without gradients on the test
+/// device (on a GPU troupe's one kernel, `rms_norm_rope`) against an f64 reference and against
+/// the norm then the rotation apart: heads read as the model reads them, a view of the stacked
+/// q/k/v output's columns, at a decoding step (one position, batch 16) and over a sequence.
+#[test]
+fn rms_norm_rope_without_gradients_matches_f64_and_the_two_apart_on_the_test_device() {
+    use troupe::model::fused::{rms_norm, rms_norm_rope};
+
+    let device = crate::common::test_device();
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let eps = 1e-6;
+    // (batch, seq, heads, head dim, stacked columns before these heads, after them)
+    for (batch, seq, heads, dim, before, after) in
+        [(2, 5, 3, 8, 16, 8), (16, 1, 4, 128, 512, 256), (1, 33, 2, 64, 0, 64)]
+    {
+        let host = |rng: &mut ChaCha8Rng, n: usize, low: f32, high: f32| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(low..high)).collect()
+        };
+        let columns = before + heads * dim + after;
+        let stacked = host(&mut rng, batch * seq * columns, -3.0, 3.0);
+        let w = host(&mut rng, dim, 0.5, 1.5);
+        let (cos, sin) = (host(&mut rng, batch * seq * dim, -1.0, 1.0), host(&mut rng, batch * seq * dim, -1.0, 1.0));
+        let table =
+            |values: &[f32]| Tensor::<4>::from_data(TensorData::new(values.to_vec(), [batch, 1, seq, dim]), &device);
+        let (cos_t, sin_t) = (table(&cos), table(&sin));
+        let weight = Tensor::<1>::from_data(TensorData::new(w.clone(), [dim]), &device);
+        let x = Tensor::<2>::from_data(TensorData::new(stacked.clone(), [batch * seq, columns]), &device)
+            .narrow(1, before, heads * dim)
+            .reshape([batch, seq, heads, dim]);
+        let flat = |t: Tensor<4>| t.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let got = flat(rms_norm_rope(x.clone(), &weight, eps, &cos_t, &sin_t));
+        let apart = flat(rope(rms_norm(x, &weight, eps).swap_dims(1, 2), &cos_t, &sin_t));
+        let half = dim / 2;
+        let mut want = Vec::with_capacity(got.len());
+        for b in 0..batch {
+            for h in 0..heads {
+                for s in 0..seq {
+                    let row = &stacked[(b * seq + s) * columns + before + h * dim..][..dim];
+                    let mean = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / dim as f64;
+                    let inverse = 1.0 / (mean + eps).sqrt();
+                    let normed: Vec<f64> =
+                        row.iter().zip(&w).map(|(&v, &w)| f64::from(v) * inverse * f64::from(w)).collect();
+                    let t = (b * seq + s) * dim;
+                    for j in 0..dim {
+                        let rotated = if j < half { -normed[j + half] } else { normed[j - half] };
+                        want.push((normed[j] * f64::from(cos[t + j]) + rotated * f64::from(sin[t + j])) as f32);
+                    }
+                }
+            }
+        }
+        let case = format!("{batch} x {seq} x {heads} heads x {dim}");
+        let worst = worst_relative_error(&got, &want);
+        assert!(worst < 1e-5, "{case}, against f64: {worst}");
+        let worst = worst_relative_error(&got, &apart);
+        assert!(worst < 1e-6, "{case}, against the norm then the rotation: {worst}");
+    }
+}
+
 /// The attention with gradients on the device of `TROUPE_TEST_DEVICE` (the CPU's fused kernel by
 /// default; under `cuda` or `wgpu`, troupe's node of two products around the softmax kernel,
 /// whose backward is four products around one kernel) against burn's attention with the
@@ -525,6 +583,64 @@ fn rms_norm_without_gradients_matches_f64_on_the_test_device() {
         }
         let worst = worst_relative_error(&got, &want);
         assert!(worst < 1e-5, "rows {rows} x {heads} heads x {width}: {worst}");
+    }
+}
+
+/// The residual stream's sum and its RMS norm without gradients on the test device (on a GPU
+/// troupe's one kernel, `add_rms_norm`) against an f64 reference and against the sums and the
+/// norm apart: with and without an adapter's delta, rows wider than a cube, a strided addend.
+#[test]
+fn add_rms_norm_without_gradients_matches_f64_and_the_sums_and_norm_apart_on_the_test_device() {
+    use troupe::model::fused::{add_rms_norm, rms_norm};
+
+    let device = crate::common::test_device();
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    let eps = 1e-6;
+    for (rows, width, with_extra) in [(3, 1024, true), (16, 37, false), (70, 600, true)] {
+        let host = |rng: &mut ChaCha8Rng, n: usize, low: f32, high: f32| -> Vec<f32> {
+            (0..n).map(|_| rng.random_range(low..high)).collect()
+        };
+        let (x, y, e) = (
+            host(&mut rng, rows * width, -3.0, 3.0),
+            host(&mut rng, rows * 2 * width, -1.0, 1.0),
+            host(&mut rng, rows * width, -0.1, 0.1),
+        );
+        let w = host(&mut rng, width, 0.5, 1.5);
+        let tensor =
+            |values: &[f32], dims: [usize; 3]| Tensor::<3>::from_data(TensorData::new(values.to_vec(), dims), &device);
+        let x_t = tensor(&x, [1, rows, width]);
+        // The addend is every other row-half of a wider tensor: a strided view.
+        let y_t = tensor(&y, [1, rows, 2 * width]).narrow(2, width, width);
+        let e_t = with_extra.then(|| tensor(&e, [1, rows, width]));
+        let weight = Tensor::<1>::from_data(TensorData::new(w.clone(), [width]), &device);
+        let flat = |t: Tensor<3>| t.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let (sum, normed) = add_rms_norm(x_t.clone(), y_t.clone(), e_t.clone(), &weight, eps);
+        let (sum, normed) = (flat(sum), flat(normed));
+        let added = match e_t {
+            Some(e_t) => y_t + e_t,
+            None => y_t,
+        };
+        let apart_sum = x_t + added;
+        let apart_normed = flat(rms_norm(apart_sum.clone(), &weight, eps));
+        let apart_sum = flat(apart_sum);
+        let (mut want_sum, mut want_normed) = (Vec::new(), Vec::new());
+        for r in 0..rows {
+            let row: Vec<f64> = (0..width)
+                .map(|i| {
+                    let extra = if with_extra { f64::from(e[r * width + i]) } else { 0.0 };
+                    f64::from(x[r * width + i]) + (f64::from(y[r * 2 * width + width + i]) + extra)
+                })
+                .collect();
+            let inverse = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / width as f64 + eps).sqrt();
+            want_normed.extend(row.iter().zip(&w).map(|(v, &w)| (v * inverse * f64::from(w)) as f32));
+            want_sum.extend(row.iter().map(|&v| v as f32));
+        }
+        let case = format!("{rows} x {width}, delta: {with_extra}");
+        assert!(worst_relative_error(&sum, &want_sum) < 1e-6, "{case}: the sum against f64");
+        assert!(worst_relative_error(&normed, &want_normed) < 1e-5, "{case}: the norm against f64");
+        assert_eq!(sum, apart_sum, "{case}: the sum against the sums apart");
+        let worst = worst_relative_error(&normed, &apart_normed);
+        assert!(worst < 1e-6, "{case}: the norm against the sums and the norm apart: {worst}");
     }
 }
 

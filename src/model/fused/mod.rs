@@ -7,13 +7,15 @@
 //!   as dot products over the weight's rows.
 //! - [`batched_matmul`]: a product differentiable in both operands (the LoRA factors'), the
 //!   same GEMM calls as burn's matmul written once.
-//! - [`rope`]: the rotary embedding, bit for bit burn's composite.
+//! - [`rope`]: the rotary embedding, bit for bit burn's composite; [`rms_norm_rope`], Qwen3's
+//!   per-head norm of the queries and keys before it (one kernel on a GPU).
 //! - [`swiglu`]: the MLP's `silu(gate) * up` on the vectorized `exp` ([`vexp`]);
 //!   [`swiglu_stacked`] reads both from the stacked gate/up projection, adapter deltas added.
 //! - [`token_logprobs`]: `log softmax(logits)[target]` per row, the scorer's inner step, with a
 //!   vectorized `exp` ([`vexp`]): no vocabulary-wide temporaries beside the logits themselves.
 //! - [`logsumexp`]: each row's log-sum-exp (the choice scorer's normaliser), the same way.
-//! - [`rms_norm`]: the RMS norm, one pass each way.
+//! - [`rms_norm`]: the RMS norm, one pass each way; [`add_rms_norm`], the residual stream's sum
+//!   before it (one kernel on a GPU).
 //! - [`attention`]: masked grouped-query attention, one task per key/value head, over only the
 //!   keys a block of queries may see, with its backward.
 //!
@@ -41,8 +43,8 @@ pub use attention::{attention, grouped_attention, HostMask};
 pub use flash::{grouped_flash_attention, FlashRefusal};
 pub use linear::dense_linear;
 pub use matmul::batched_matmul;
-pub use rms_norm::rms_norm;
-pub use rope::rope;
+pub use rms_norm::{add_rms_norm, rms_norm};
+pub use rope::{rms_norm_rope, rope};
 pub use swiglu::{swiglu, swiglu_stacked};
 pub use token_logprob::{logsumexp, token_logprobs};
 

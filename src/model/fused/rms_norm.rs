@@ -189,6 +189,33 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
     composite(x, weight, eps)
 }
 
+/// The residual stream's sum `x + (y + extra)` (`extra`, when given, added to `y` first) and
+/// its RMS norm: one kernel on a GPU without gradients ([`super::gpu::add_rms_norm`]), with the
+/// values of the sums and the norm apart; the sums and [`rms_norm`] elsewhere.
+///
+/// # Shapes
+/// `x`, `y`, `extra`: `[..., width]`, `weight`: `[width]` -> (the sum, its norm), like `x`
+pub fn add_rms_norm<const D: usize>(
+    x: Tensor<D>,
+    y: Tensor<D>,
+    extra: Option<Tensor<D>>,
+    weight: &Tensor<1>,
+    eps: f64,
+) -> (Tensor<D>, Tensor<D>) {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if [&x, &y].into_iter().chain(extra.as_ref()).all(super::gpu::takes) && super::gpu::takes(weight) {
+        if let Some(both) = super::gpu::add_rms_norm(&x, &y, extra.as_ref(), weight, eps) {
+            return both;
+        }
+    }
+    let y = match extra {
+        Some(extra) => y + extra,
+        None => y,
+    };
+    let sum = x + y;
+    (sum.clone(), rms_norm(sum, weight, eps))
+}
+
 /// burn's composite RMS norm: square, mean, add, square root, reciprocal, two products.
 ///
 /// # Shapes

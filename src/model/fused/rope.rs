@@ -167,6 +167,24 @@ pub fn rope(x: Tensor<4>, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
     ))
 }
 
+/// The per-head RMS norm (Qwen3's queries and keys) and then the rotary embedding, heads first:
+/// `rope(rms_norm(x, weight, eps).swap_dims(1, 2), cos, sin)`, as one kernel on a GPU without
+/// gradients ([`super::gpu::rms_norm_rope`]) with the values of the two apart, and as those two
+/// elsewhere.
+///
+/// # Shapes
+/// `x`: `[batch, seq, heads, head_dim]` (`head_dim` even), `weight`: `[head_dim]`,
+/// `cos`/`sin`: `[batch, 1, seq, head_dim]` -> `[batch, heads, seq, head_dim]`
+pub fn rms_norm_rope(x: Tensor<4>, weight: &Tensor<1>, eps: f64, cos: &Tensor<4>, sin: &Tensor<4>) -> Tensor<4> {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if [&x, cos, sin].into_iter().all(super::gpu::takes) && super::gpu::takes(weight) {
+        if let Some(out) = super::gpu::rms_norm_rope(&x, weight, eps, cos, sin) {
+            return out;
+        }
+    }
+    rope(super::rms_norm(x, weight, eps).swap_dims(1, 2), cos, sin)
+}
+
 /// burn's composite rotary embedding: two narrows, a negation, a concatenation, two products
 /// and a sum.
 ///

@@ -2,10 +2,13 @@
 //! token is a few hundred small launches (`examples/kernel_counts.rs`). For the forwards without
 //! gradients (rollouts, scoring, evaluation):
 //!
-//! - [`rms_norm()`]: one kernel per norm instead of seven.
+//! - [`rms_norm()`]: one kernel per norm instead of seven; [`add_rms_norm()`], the residual
+//!   stream's sum before the MLP's norm in the same kernel.
 //! - [`rope()`]: one kernel per rotation instead of six.
 //! - [`attention()`]: the two products around one softmax kernel instead of nine kernels, and
 //!   the grouped-query heads' mask read in place instead of repeated.
+//! - [`rms_norm_rope()`]: Qwen3's per-head norm of the queries and keys and their rotation as
+//!   one kernel, where the two above are two launches.
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
 //! - [`token_logprobs()`]: one kernel for the scorer's log-softmax at the targets instead of
 //!   eight.
@@ -36,6 +39,7 @@ use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 mod attention;
+mod norm_rope;
 mod rms_norm;
 mod rope;
 mod split;
@@ -44,7 +48,8 @@ mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked};
-pub use rms_norm::{rms_norm, rms_norm_tracked};
+pub use norm_rope::rms_norm_rope;
+pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
 pub use split::stacked_parts_tracked;
 pub use swiglu::{swiglu, swiglu_stacked_tracked};

@@ -43,6 +43,59 @@ mod kernel {
         start
     }
 
+    /// One cube per row: `sum = x + (y + extra)` (`extra` read only `with_extra`) and
+    /// `out = sum / sqrt(mean(sum^2) + eps) * weight`, the residual stream's sum and its norm as
+    /// the two sums and [`rms_norm_kernel`] apart give them. `x`, `y` and `extra` are
+    /// `[..., width]` of any strides; `sum` and `out` contiguous, of their shape.
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn add_rms_norm_kernel(
+        x: &Tensor<f32>,
+        y: &Tensor<f32>,
+        extra: &Tensor<f32>,
+        weight: &Tensor<f32>,
+        sum: &mut Tensor<f32>,
+        out: &mut Tensor<f32>,
+        rows: usize,
+        eps: f32,
+        #[comptime] units: usize,
+        #[comptime] with_extra: bool,
+    ) {
+        let row = cube_row();
+        let unit = UNIT_POS_X as usize;
+        let units_here = CUBE_DIM_X as usize;
+        if row < rows {
+            let width = x.shape(x.rank() - 1);
+            let (x_start, y_start, e_start) = (row_start(x, row), row_start(y, row), row_start(extra, row));
+            let (x_step, y_step, e_step) =
+                (x.stride(x.rank() - 1), y.stride(y.rank() - 1), extra.stride(extra.rank() - 1));
+            let base = row * width;
+
+            let mut squares = 0.0f32;
+            let mut i = unit;
+            while i < width {
+                let mut added = y[y_start + i * y_step];
+                if with_extra {
+                    added += extra[e_start + i * e_step];
+                }
+                let v = x[x_start + i * x_step] + added;
+                sum[base + i] = v;
+                squares += v * v;
+                i += units_here;
+            }
+            let mut partial = Shared::<[f32]>::new_slice(units);
+            let total = cube_reduce(&mut partial, squares, false);
+            let inverse = 1.0f32 / f32::sqrt(total / f32::cast_from(width) + eps);
+
+            // Each unit reads back the values it wrote.
+            let mut i = unit;
+            while i < width {
+                out[base + i] = sum[base + i] * inverse * weight[i * weight.stride(0)];
+                i += units_here;
+            }
+        }
+    }
+
     /// One cube per row of `x` (`[..., width]`, any strides): `out` (contiguous, `x`'s shape) gets
     /// `x / sqrt(mean(x^2) + eps) * weight`. `units` is the cube's size, a power of two.
     #[cube(launch)]
@@ -140,6 +193,53 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
         return super::super::rms_norm::composite(x, weight, eps);
     };
     Tensor::from_primitive::<Cube>(forward(xp, into_contiguous(wp), eps as f32))
+}
+
+/// The residual stream's sum `x + (y + extra)` and its RMS norm in one kernel launch, for plain
+/// f32 tensors on a cubecl device ([`super::takes`], which the caller checks); `None`, with
+/// nothing run, when a tensor is not a cubecl primitive or the shapes differ.
+///
+/// # Shapes
+/// `x`, `y`, `extra`: `[..., width]`, `weight`: `[width]` -> (the sum, its norm), like `x`
+/// (contiguous)
+pub fn add_rms_norm<const D: usize>(
+    x: &Tensor<D>,
+    y: &Tensor<D>,
+    extra: Option<&Tensor<D>>,
+    weight: &Tensor<1>,
+    eps: f64,
+) -> Option<(Tensor<D>, Tensor<D>)> {
+    if y.dims() != x.dims() || extra.is_some_and(|e| e.dims() != x.dims()) {
+        return None;
+    }
+    let primitive = |t: &Tensor<D>| t.clone().try_into_primitive::<Cube>().ok().map(untile);
+    let (xp, yp) = (primitive(x)?, primitive(y)?);
+    let ep = match extra {
+        Some(extra) => Some(primitive(extra)?),
+        None => None,
+    };
+    let wp = into_contiguous(weight.clone().try_into_primitive::<Cube>().ok()?);
+    let (sum, out) = (empty_like(&xp), empty_like(&xp));
+    if let Some(grid) = RowGrid::of(&xp) {
+        let client = xp.client.clone();
+        let with_extra = ep.is_some();
+        kernel::add_rms_norm_kernel::launch(
+            &client,
+            grid.count,
+            grid.cube_dim,
+            xp.into_tensor_arg(),
+            yp.clone().into_tensor_arg(),
+            ep.unwrap_or(yp).into_tensor_arg(),
+            wp.into_tensor_arg(),
+            sum.clone().into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            grid.rows,
+            eps as f32,
+            grid.units,
+            with_extra,
+        );
+    }
+    Some((Tensor::from_primitive::<Cube>(sum), Tensor::from_primitive::<Cube>(out)))
 }
 
 /// [`rms_norm`] for an f32 `x` under autodiff on a cubecl device ([`super::takes_tracked`]), its
