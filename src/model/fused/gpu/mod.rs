@@ -188,4 +188,38 @@ mod cube {
         sync_cube();
         whole
     }
+
+    /// `1 / sqrt(mean(v^2) + eps)` over a row of `width` values `x[start + i * step]`: each unit
+    /// sums the squares of every `CUBE_DIM_X`-th value from its own position, and the cube adds
+    /// the partial sums ([`cube_reduce`], in `partial`). Every unit of the cube must call it;
+    /// `partial` may be reused afterwards. The norm kernels share it, so that each gives the
+    /// values the others give for the same row.
+    #[cube]
+    pub(super) fn inverse_rms(
+        x: &Tensor<f32>,
+        start: usize,
+        step: usize,
+        width: usize,
+        eps: f32,
+        partial: &mut Shared<[f32]>,
+    ) -> f32 {
+        let units_here = CUBE_DIM_X as usize;
+        let mut sum = 0.0f32;
+        let mut i = UNIT_POS_X as usize;
+        while i < width {
+            let v = x[start + i * step];
+            sum += v * v;
+            i += units_here;
+        }
+        inverse_rms_of(sum, width, eps, partial)
+    }
+
+    /// `1 / sqrt(total / width + eps)`, `total` the cube's sum of each unit's `squares` (its
+    /// share of a row's squares, summed as [`inverse_rms`] sums them), added in `partial`.
+    /// Every unit of the cube must call it; `partial` may be reused afterwards.
+    #[cube]
+    pub(super) fn inverse_rms_of(squares: f32, width: usize, eps: f32, partial: &mut Shared<[f32]>) -> f32 {
+        let total = cube_reduce(partial, squares, false);
+        1.0f32 / f32::sqrt(total / f32::cast_from(width) + eps)
+    }
 }

@@ -21,7 +21,7 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    use super::super::cube::{cube_reduce, cube_row};
+    use super::super::cube::{cube_row, inverse_rms};
 
     /// One cube per row of `out` (contiguous, `[batch, heads, seq, head_dim]`): row
     /// `(b, h, s)` of `x` (`[batch, seq, heads, head_dim]`, any strides), normalised,
@@ -53,17 +53,8 @@ mod kernel {
             let b = row / (seq * heads);
             let start = b * x.stride(0) + s * x.stride(1) + h * x.stride(2);
             let step = x.stride(3);
-
-            let mut sum = 0.0f32;
-            let mut i = unit;
-            while i < dim {
-                let v = x[start + i * step];
-                sum += v * v;
-                i += units_here;
-            }
             let mut partial = Shared::<[f32]>::new_slice(units);
-            let total = cube_reduce(&mut partial, sum, false);
-            let inverse = 1.0f32 / f32::sqrt(total / f32::cast_from(dim) + eps);
+            let inverse = inverse_rms(x, start, step, dim, eps, &mut partial);
 
             // The normalised head, in the slots the reduction is done with.
             let mut i = unit;

@@ -25,7 +25,7 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    use super::super::cube::{cube_reduce, cube_row};
+    use super::super::cube::{cube_reduce, cube_row, inverse_rms, inverse_rms_of};
 
     /// Where row `row` of `x` (`[..., width]`, any strides) starts: its index split over the
     /// leading dimensions.
@@ -84,8 +84,7 @@ mod kernel {
                 i += units_here;
             }
             let mut partial = Shared::<[f32]>::new_slice(units);
-            let total = cube_reduce(&mut partial, squares, false);
-            let inverse = 1.0f32 / f32::sqrt(total / f32::cast_from(width) + eps);
+            let inverse = inverse_rms_of(squares, width, eps, &mut partial);
 
             // Each unit reads back the values it wrote.
             let mut i = unit;
@@ -115,17 +114,8 @@ mod kernel {
             let width = x.shape(x.rank() - 1);
             let start = row_start(x, row);
             let step = x.stride(x.rank() - 1);
-
-            let mut sum = 0.0f32;
-            let mut i = unit;
-            while i < width {
-                let v = x[start + i * step];
-                sum += v * v;
-                i += units_here;
-            }
             let mut partial = Shared::<[f32]>::new_slice(units);
-            let total = cube_reduce(&mut partial, sum, false);
-            let inverse = 1.0f32 / f32::sqrt(total / f32::cast_from(width) + eps);
+            let inverse = inverse_rms(x, start, step, width, eps, &mut partial);
 
             let mut i = unit;
             while i < width {
