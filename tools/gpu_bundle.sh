@@ -35,8 +35,10 @@ for line in sys.stdin:
     executables bench --no-run --bench model --bench adapters
     executables test --release --test it --no-run
 } >"$stage/list"
+# The first executable of each name: `troupe` as `cargo build` made it (the tests and benchmarks
+# build it again as a dependency).
 for name in troupe model adapters it; do
-    path="$(awk -v n="$name" '$1 == n { print $2 }' "$stage/list" | tail -n 1)"
+    path="$(awk -v n="$name" '$1 == n { print $2 }' "$stage/list" | head -n 1)"
     if [ -z "$path" ]; then
         echo "error: cargo built no executable named $name" >&2
         exit 1
