@@ -356,8 +356,9 @@ fn stacked_parts(linear: &FrozenLinear, x: &Tensor<3>, widths: &[usize], head_di
 
 /// `stacked`'s parts, `widths` wide in turn along the last dimension, as views split into heads
 /// of `head_dim` values. The columns are narrowed on the `[batch * seq, width]` view and split
-/// from there: burn's reshape copies a narrowed `[batch, 1, width]` (a decoding step's) rather
-/// than split it, which cost three copies a layer at every decoded token.
+/// from there: burn's reshape copies a narrowed part whose shape has a unit dimension before the
+/// one it splits (`[batch, 1, width]` when a batch decodes, `[1, seq, width]` for one row)
+/// rather than split it, three copies a layer.
 ///
 /// # Shapes
 /// `stacked`: `[batch, seq, sum of widths]` -> `[batch, seq, widths[i] / head_dim, head_dim]` each
