@@ -8,7 +8,7 @@ pub mod prefix;
 pub mod sampler;
 
 use burn::tensor::{Int, Tensor, TensorData};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -118,9 +118,50 @@ fn right_pad<R: AsRef<[u32]>>(rows: &[R], pad: u32) -> (Vec<Vec<u32>>, Vec<Vec<b
 /// # Shapes
 /// `tokens`: `[batch, seq]` -> `batch` rows of `vocab`
 fn last_logits_rows(lm: &CausalLm, tokens: &[Vec<u32>], args: ForwardArgs<'_>) -> Result<LogitRows> {
+    Ok(LogitRows::read(last_logits_tensor(lm, tokens, args)?))
+}
+
+/// The logits at the last slot of every row after a forward over `tokens`, where the model is.
+///
+/// # Shapes
+/// `tokens`: `[batch, seq]` -> `[batch, vocab]`
+fn last_logits_tensor(lm: &CausalLm, tokens: &[Vec<u32>], args: ForwardArgs<'_>) -> Result<Tensor<2>> {
     let hidden = lm.hidden_states(lm.token_tensor(tokens)?, args)?;
     let seq = hidden.dims()[1];
-    Ok(LogitRows::read(lm.logits(hidden.narrow(1, seq - 1, 1)).squeeze_dim::<2>(1)))
+    Ok(lm.logits(hidden.narrow(1, seq - 1, 1)).squeeze_dim::<2>(1))
+}
+
+/// A decoding step's logits as the forward left them: one row per distinct prefix on the first
+/// step of shared prompts (`of_row` maps each row to its row here), else one per row.
+struct StepLogits {
+    /// `[rows or distinct prefixes, vocab]`, on the model's device.
+    logits: Tensor<2>,
+    /// Row `r`'s row of `logits`, when they are the distinct prefixes'.
+    of_row: Option<Vec<usize>>,
+}
+
+impl StepLogits {
+    /// The logits on the host, one entry per row.
+    fn read(self) -> LogitRows {
+        let rows = LogitRows::read(self.logits);
+        match self.of_row {
+            Some(of_row) => rows.gather(&of_row),
+            None => rows,
+        }
+    }
+
+    /// One `[rows, vocab]` tensor on the device, the distinct prefixes' rows repeated.
+    fn per_row(self) -> Tensor<2> {
+        match self.of_row {
+            Some(of_row) => {
+                let device = self.logits.device();
+                let index: Vec<i64> = of_row.iter().map(|&r| r as i64).collect();
+                let len = index.len();
+                self.logits.select(0, Tensor::<1, Int>::from_data(TensorData::new(index, [len]), &device))
+            }
+            None => self.logits,
+        }
+    }
 }
 
 /// Rows of logits on the host, as read from the device in one buffer (a decoding step's
@@ -282,45 +323,66 @@ pub fn generate_rows(
     };
     while done.iter().any(|d| !d) {
         let step_started = std::time::Instant::now();
-        let rows: LogitRows = match shared.take() {
+        let step = match shared.take() {
             Some(share) => {
                 let unique_tokens: Vec<Vec<u32>> = share.unique.iter().map(|&r| step_tokens[r].clone()).collect();
                 let unique_valid: Vec<Vec<bool>> = share.unique.iter().map(|&r| step_valid[r].clone()).collect();
                 let keys = cache.keys_after(unique_valid[0].len());
                 let attention = SequenceLayout::new(share.unique.len()).step_within(&unique_valid, keys, &device);
                 let args = ForwardArgs { layout: &attention, cache: Some(&mut cache), delta: share.unique_delta() };
-                let unique_rows = last_logits_rows(lm, &unique_tokens, args)?;
+                let logits = last_logits_tensor(lm, &unique_tokens, args)?;
                 cache.select_rows(&share.row_index(&device));
                 layout.extend(&step_valid);
-                unique_rows.gather(&share.group_of_row)
+                StepLogits { logits, of_row: Some(share.group_of_row) }
             }
             None if options.use_cache => {
                 let attention = layout.step_within(&step_valid, cache.keys_after(step_valid[0].len()), &device);
-                last_logits_rows(lm, &step_tokens, ForwardArgs { layout: &attention, cache: Some(&mut cache), delta })?
+                let args = ForwardArgs { layout: &attention, cache: Some(&mut cache), delta };
+                StepLogits { logits: last_logits_tensor(lm, &step_tokens, args)?, of_row: None }
             }
             None => {
                 let attention = SequenceLayout::new(batch).step(&history_valid, &device);
-                last_logits_rows(lm, &history, ForwardArgs { layout: &attention, cache: None, delta })?
+                let args = ForwardArgs { layout: &attention, cache: None, delta };
+                StepLogits { logits: last_logits_tensor(lm, &history, args)?, of_row: None }
             }
         };
         step_tokens = Vec::with_capacity(batch);
         step_valid = Vec::with_capacity(batch);
-        // Each live row's token and its log-prob: rows with their own generators draw in
-        // parallel (what a row draws depends only on its logits and its generator).
-        let pick = |row: usize, logits: &[f32], rng: &mut ChaCha8Rng| -> Option<(u32, f32)> {
-            if done[row] {
-                return None;
-            }
-            let token = match constraint(row) {
-                Some(trie) => trie.pick(nodes[row], logits, &options.sampling, rng),
-                None => sampler::sample(logits, &options.sampling, rng),
-            };
-            Some((token, token_logprob(logits, token)))
-        };
-        let picks: Vec<Option<(u32, f32)>> = if shared_rng {
-            rows.iter().enumerate().map(|(row, logits)| pick(row, logits, &mut rngs[0])).collect()
+        // On a GPU, unconstrained rows draw where the logits are (one uniform each from the
+        // row's generator, as the host's draw takes); on the host, each live row's token and
+        // its log-prob, rows with their own generators in parallel (what a row draws depends
+        // only on its logits and its generator).
+        let on_device = constraints.iter().all(Option::is_none) && sampler::on_device(&step.logits, &options.sampling);
+        let picks: Vec<Option<(u32, f32)>> = if on_device {
+            let greedy = options.sampling.is_greedy();
+            let uniforms: Vec<f32> = (0..batch)
+                .map(|row| {
+                    if done[row] || greedy {
+                        return 0.0;
+                    }
+                    let rng = if shared_rng { &mut rngs[0] } else { &mut rngs[row] };
+                    rng.random::<f32>()
+                })
+                .collect();
+            let drawn = sampler::sample_on_device(&step.per_row(), &uniforms, &options.sampling);
+            drawn.into_iter().enumerate().map(|(row, pick)| (!done[row]).then_some(pick)).collect()
         } else {
-            rngs.par_iter_mut().enumerate().map(|(row, rng)| pick(row, rows.row(row), rng)).collect()
+            let rows = step.read();
+            let pick = |row: usize, logits: &[f32], rng: &mut ChaCha8Rng| -> Option<(u32, f32)> {
+                if done[row] {
+                    return None;
+                }
+                let token = match constraint(row) {
+                    Some(trie) => trie.pick(nodes[row], logits, &options.sampling, rng),
+                    None => sampler::sample(logits, &options.sampling, rng),
+                };
+                Some((token, token_logprob(logits, token)))
+            };
+            if shared_rng {
+                rows.iter().enumerate().map(|(row, logits)| pick(row, logits, &mut rngs[0])).collect()
+            } else {
+                rngs.par_iter_mut().enumerate().map(|(row, rng)| pick(row, rows.row(row), rng)).collect()
+            }
         };
         for (row, picked) in picks.into_iter().enumerate() {
             let (token, real) = match picked {

@@ -1,6 +1,7 @@
 //! Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus), driven
 //! by a seeded `ChaCha8Rng` so the same seed gives the same text.
 
+use burn::tensor::Tensor;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
@@ -80,6 +81,45 @@ pub fn sample(logits: &[f32], config: &SamplingConfig, rng: &mut ChaCha8Rng) -> 
         target -= p;
     }
     kept.last().map_or(0, |&k| key_token(k))
+}
+
+/// Whether [`sample_on_device`] draws from `logits`: plain f32 logits on a GPU (CUDA, wgpu)
+/// with troupe's kernels on (`TROUPE_GPU_KERNELS`); never on the CPU, where [`sample`] draws
+/// each row on the host.
+pub fn on_device(logits: &Tensor<2>, config: &SamplingConfig) -> bool {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    {
+        crate::model::fused::gpu::samples(logits, config.temperature, config.top_p)
+    }
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    {
+        let _ = (logits, config);
+        false
+    }
+}
+
+/// Each row's token and its log-probability (`log softmax(logits)[token]` at temperature 1)
+/// drawn where the logits are, for logits [`on_device`] takes: the candidates of [`sample`]
+/// (temperature, top-k, top-p, ties at the boundary by lowest id), walked in token-id order to
+/// `uniforms[row]` (in `[0, 1)`, one a row, as [`sample`] draws one) of their mass. The same
+/// distribution as [`sample`]'s, walked in another order, so a seed gives other tokens than on
+/// the host; greedy configurations take the first maximum, as [`argmax`] does.
+///
+/// # Panics
+/// If [`on_device`] does not take `logits`, or `uniforms` is not one value a row.
+///
+/// # Shapes
+/// `logits`: `[rows, vocab]`, `uniforms`: `rows` -> `rows` (token, log-prob) pairs
+pub fn sample_on_device(logits: &Tensor<2>, uniforms: &[f32], config: &SamplingConfig) -> Vec<(u32, f32)> {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    {
+        crate::model::fused::gpu::sample_rows(logits, uniforms, config.temperature, config.top_k, config.top_p)
+    }
+    #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+    {
+        let _ = (logits, uniforms, config);
+        panic!("sampling on a device needs a GPU backend (`--features cuda` or `wgpu`)")
+    }
 }
 
 /// One key per token that orders by decreasing probability, then increasing id: a total

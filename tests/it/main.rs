@@ -12,6 +12,7 @@ mod cli_model;
 mod cli_reliability;
 mod cli_train;
 mod code_cli;
+mod device_sampling;
 mod env_cli;
 mod external_env;
 mod flash_attention;

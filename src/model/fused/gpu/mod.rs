@@ -12,6 +12,8 @@
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
 //! - [`token_logprobs()`]: one kernel for the scorer's log-softmax at the targets instead of
 //!   eight.
+//! - [`sample_rows()`]: a decoding step's tokens drawn on the device (temperature, top-k,
+//!   top-p), two numbers a row read back instead of the row's logits.
 //!
 //! Each takes plain (non-autodiff) f32 tensors on a cubecl device ([`takes`]). Under autodiff
 //! (the update, [`takes_tracked`]) these have backwards of their own, each an autodiff node
@@ -42,6 +44,7 @@ mod attention;
 mod norm_rope;
 mod rms_norm;
 mod rope;
+mod sample;
 mod split;
 mod swiglu;
 mod token_logprob;
@@ -51,6 +54,7 @@ pub use attention::{attention, attention_tracked};
 pub use norm_rope::rms_norm_rope;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
+pub use sample::{sample_rows, samples};
 pub use split::stacked_parts_tracked;
 pub use swiglu::{swiglu, swiglu_stacked_tracked};
 pub use token_logprob::{token_logprobs, token_logprobs_and_complement};
