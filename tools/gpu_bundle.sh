@@ -4,11 +4,18 @@
 # `adapters` benchmark executables and the integration-test executable `it`, stripped into one
 # xz archive for `tools/gpu_check.sh` (docs/gpu.md, "Checking a build on a GPU machine").
 #
-#   bash tools/gpu_bundle.sh [ARCHIVE]     # default gpu-bundle.tar.xz (about 25 MB)
+#   bash tools/gpu_bundle.sh [--autotune] [ARCHIVE]     # default gpu-bundle.tar.xz (about 25 MB)
 #
-# `CARGO_TARGET_DIR` is honoured (a separate one keeps the CPU build's artifacts).
+# `--autotune` adds `troupe-autotune`, troupe built with `--features autotune` (burn's autotuned
+# kernels), which `tools/gpu_check.sh` then runs beside the plain build. `CARGO_TARGET_DIR` is
+# honoured (a separate one keeps the CPU build's artifacts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+autotune=false
+if [ "${1:-}" = "--autotune" ]; then
+    autotune=true
+    shift
+fi
 archive="${1:-gpu-bundle.tar.xz}"
 case "$archive" in
     *.tar.xz) ;;
@@ -17,9 +24,10 @@ esac
 stage="$(mktemp -d)"
 trap 'rm -rf "$stage"' EXIT
 
-# Each cargo command's executables, as `NAME PATH` lines, from its JSON messages.
+# Each cargo command's executables, as `NAME PATH` lines, from its JSON messages (the features
+# come with the arguments).
 executables() {
-    cargo "$@" --features cuda --message-format=json-render-diagnostics | python3 -c '
+    cargo "$@" --message-format=json-render-diagnostics | python3 -c '
 import json, sys
 for line in sys.stdin:
     if not line.startswith("{"):
@@ -30,10 +38,18 @@ for line in sys.stdin:
 '
 }
 
+names="troupe model adapters it"
+if $autotune; then
+    # First, and copied at once: the plain build below writes the same path.
+    path="$(executables build --release --bin troupe --features autotune | awk '$1 == "troupe" { print $2 }' | head -n 1)"
+    cp "$path" "$stage/troupe-autotune"
+    strip "$stage/troupe-autotune"
+    names="$names troupe-autotune"
+fi
 {
-    executables build --release --bin troupe
-    executables bench --no-run --bench model --bench adapters
-    executables test --release --test it --no-run
+    executables build --release --bin troupe --features cuda
+    executables bench --no-run --bench model --bench adapters --features cuda
+    executables test --release --test it --no-run --features cuda
 } >"$stage/list"
 # The first executable of each name: `troupe` as `cargo build` made it (the tests and benchmarks
 # build it again as a dependency).
@@ -47,6 +63,7 @@ for name in troupe model adapters it; do
     strip "$stage/$name"
 done
 rm "$stage/list"
-tar -C "$stage" -cf - troupe model adapters it | xz -T0 -9 >"$archive.tmp"
+# shellcheck disable=SC2086
+tar -C "$stage" -cf - $names | xz -T0 -9 >"$archive.tmp"
 mv "$archive.tmp" "$archive"
 echo "$archive: $(du -h "$archive" | cut -f1)"

@@ -47,6 +47,10 @@ if [ -n "$tests" ]; then
     status=${PIPESTATUS[0]}
 fi
 if [ ${#figures[@]} -gt 0 ]; then
+    # An archive built with `gpu_bundle.sh --autotune` also times troupe with burn's autotune.
+    if [ -x "$bin/troupe-autotune" ]; then
+        figures=(--troupe-autotune "$bin/troupe-autotune" "${figures[@]}")
+    fi
     PYTHONUNBUFFERED=1 python3 tools/gpu_figures.py --device cuda --troupe "$bin/troupe" --benches "$bin" \
         --out "$out/figures.json" "${figures[@]}" 2>&1 | tee "$out/figures.log"
     figures_status=${PIPESTATUS[0]}

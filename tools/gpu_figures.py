@@ -27,6 +27,9 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   seconds per iteration / step after the first, and each side's peak memory;
 - the update's FLOP rate (troupe's `gflop_per_second_update`, per iteration) as a fraction of the
   device's dense GEMM rate in the same dtype, measured by the peer's Python (torch.matmul);
+- with `--troupe-autotune PATH` (troupe built with `--features autotune`), after each preset's
+  iterations the same run with that binary, two iterations longer: burn's autotune tunes each new
+  shape on first use, so its last iteration is the figure (`troupe_autotune`);
 - memory (`--memory-preset`, default qwen3-4b): two agents with LoRA r16 on q,k,v,o train
   `--memory-iterations` iterations of the same shape, with and without
   `runtime.gradient_checkpointing`; peak device memory (the goal is at most 24 GB).
@@ -213,14 +216,14 @@ def troupe_kernels(args, criterion_dir, preset):
     return out
 
 
-def troupe_iteration(args, model_dir, work, rep, extra=None, flags=()):
+def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None):
     out_dir = os.path.join(work, f"run{rep}")
     reward = f"[{{name: external, command: [{args.reward_python}, python/examples/length_reward.py], weight: 1.0}}]"
     sets = {"model.path": model_dir, "model.device": args.device, "model.dtype": args.dtype, "run.out_dir": out_dir,
             "run.iterations": args.iterations, "run.checkpoint_every": 1000,
             "training.groups_per_iteration": args.groups, "training.group_size": args.group_size,
             "action.max_new_tokens": args.new_tokens, "rewards.functions": reward, **(extra or {})}
-    cmd = [args.troupe, "train", "--config", "configs/writing_tldr.yaml", *flags]
+    cmd = [troupe or args.troupe, "train", "--config", "configs/writing_tldr.yaml", *flags]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     _, peak_mib = run_peak(cmd, args.device, log=subprocess.DEVNULL)
@@ -294,6 +297,9 @@ def main():
     p.add_argument("--burn-kernels", action="store_true",
                    help="run the prefill / decode benchmarks once more with burn's composites in place of troupe's "
                         "GPU kernels (TROUPE_GPU_KERNELS=burn), to compare the two")
+    p.add_argument("--troupe-autotune", default=None,
+                   help="a troupe built with --features autotune: after each --preset's iterations, the "
+                        "same run with it, two iterations longer (the tuning happens in the first ones)")
     p.add_argument("--kernel-profile", action="store_true",
                    help="after each --preset's iterations, one more troupe run of the same shape with "
                         "--profile-kernels (launches and device time per phase and kernel; a debug aid, "
@@ -313,6 +319,8 @@ def main():
     kernels = args.attention_kernels.split(",")
     if "materialized" not in kernels or not set(kernels) <= {"materialized", "flash"}:
         sys.exit(f"error: --attention-kernels {args.attention_kernels}: materialized, or materialized,flash")
+    if args.troupe_autotune and not os.access(args.troupe_autotune, os.X_OK):
+        sys.exit(f"error: --troupe-autotune {args.troupe_autotune}: no such executable")
     if not os.access(args.troupe, os.X_OK):
         sys.exit(f"error: --troupe {args.troupe}: no such executable (cargo build --release first)")
     for name in ("model", "adapters") if args.benches and not args.skip_kernels else ():
@@ -370,6 +378,15 @@ def main():
             if args.kernel_profile:
                 profiled = troupe_iteration(args, model_dir, work, f"{preset}-kernels", flags=("--profile-kernels",))
                 result[f"kernel_profile_{preset}"] = profiled["kernels"]
+                write(args.out, result)
+            if args.troupe_autotune:
+                # The same run on the build with burn's autotune (`--features autotune`): its first
+                # iterations tune each new shape, so its later ones are the figure.
+                tuned = troupe_iteration(args, model_dir, work, f"{preset}-autotune",
+                                         {"run.iterations": args.iterations + 2}, troupe=args.troupe_autotune)
+                iteration["troupe_autotune"] = tuned
+                iteration["troupe_autotune_last_s_over_troupe_s_per_iteration"] = [
+                    tuned["iteration_s"][-1] / ours["s_per_iteration"] for ours in iteration["troupe"]]
                 write(args.out, result)
         if not args.skip_memory:
             # Two agents, LoRA r16 on q,k,v,o: the memory goal's set-up, the iteration's shape.
