@@ -22,6 +22,8 @@ use rand_chacha::ChaCha8Rng;
 
 use super::lora::{LoraAdapter, Site};
 use crate::model::fused::batched_matmul;
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+use crate::model::fused::gpu;
 use crate::model::{ModelConfig, Projection, ProjectionDelta};
 
 /// The update factors of one site for the whole batch.
@@ -339,6 +341,14 @@ impl MixedLora {
         };
         let [rank, _] = a.dims();
         let out = b_scaled.dims()[0];
+        // A decoding step's few rows on a GPU: one kernel for the two products and the mask.
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if batch * seq <= gpu::LORA_DELTA_MAX_ROWS {
+            let rows = x.clone().reshape([batch * seq, fan_in]);
+            if gpu::lora_delta_takes(&rows, &a, &b_scaled, mask) {
+                return gpu::lora_delta(&rows, &a, &b_scaled, mask, seq).reshape([batch, seq, out]);
+            }
+        }
         // [1, batch * seq, in] x [1, in, R] -> [1, batch * seq, R]
         let down = batched_matmul(x.reshape([1, batch * seq, fan_in]), a.transpose().unsqueeze());
         let down = match mask {

@@ -920,3 +920,67 @@ fn swiglu_stacked_with_gradients_matches_the_composite_on_the_test_device() {
         }
     }
 }
+
+/// An adapter's delta over a decoding step's few rows (one kernel on a GPU, at most 64 rows)
+/// equals the same rows' delta in a batch past that (burn's products): stacked adapters of
+/// different ranks and sites, rows without an adapter, one position and three, and the q/k/v
+/// parts' joined delta where the device joins them.
+#[test]
+fn few_row_adapter_deltas_equal_the_products_of_a_larger_batch_on_the_test_device() {
+    use troupe::adapters::MultiAdapterManager;
+    use troupe::model::{LoadOptions, Model, Precision, Projection, ProjectionDelta};
+
+    let device = crate::common::test_device();
+    let dir = crate::common::models_dir().join("tiny-qwen3");
+    let model = Model::load(&LoadOptions::path(&dir).dtype(Precision::F32), &device).unwrap();
+    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+    manager.load_adapters(&dir.join("adapters")).unwrap();
+    let config = &model.lm.config;
+    let (q, kv) = (config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim);
+    // agent 0: r4 on all seven sites; agent 1: r8 on q and v.
+    let few_agents = [Some(0), Some(1), None, Some(1), Some(0)];
+    let many_agents: Vec<Option<usize>> =
+        few_agents.iter().copied().chain((0..65).map(|i| [Some(1), None, Some(0)][i % 3])).collect();
+    let (few, _) = manager.mixed(&few_agents, false).unwrap();
+    let (many, _) = manager.mixed(&many_agents, false).unwrap();
+    let (few, many) = (few.untracked().unwrap(), many.untracked().unwrap());
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let flat = |t: Tensor<3>| t.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+    let close = |got: Vec<f32>, want: Vec<f32>, what: &str| {
+        let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        assert!(scale > 0.0, "{what}: the adapters change these rows");
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst <= 1e-5 * scale.max(1.0), "{what}: off by {worst} at scale {scale}");
+    };
+    for seq in [1, 3] {
+        for (layer, projection, width) in [
+            (0, Projection::Q, config.hidden_size),
+            (1, Projection::O, q),
+            (0, Projection::Down, config.intermediate_size),
+        ] {
+            let x = random(&mut rng, [many_agents.len() * seq, width], 2.0, &device).reshape([
+                many_agents.len(),
+                seq,
+                width,
+            ]);
+            let rows = x.clone().narrow(0, 0, few_agents.len());
+            let want = many.delta(layer, projection, &x).unwrap().narrow(0, 0, few_agents.len());
+            let got = few.delta(layer, projection, &rows).unwrap();
+            close(flat(got), flat(want), &format!("{projection:?}, layer {layer}, {seq} positions"));
+        }
+        let parts = [(Projection::Q, q), (Projection::K, kv), (Projection::V, kv)];
+        let x = random(&mut rng, [many_agents.len() * seq, config.hidden_size], 2.0, &device).reshape([
+            many_agents.len(),
+            seq,
+            config.hidden_size,
+        ]);
+        let rows = x.clone().narrow(0, 0, few_agents.len());
+        match (few.joint_delta(0, &parts, &rows), many.joint_delta(0, &parts, &x)) {
+            (Some(got), Some(want)) => {
+                close(flat(got), flat(want.narrow(0, 0, few_agents.len())), &format!("joined q/k/v, {seq} positions"))
+            }
+            (None, None) => {}
+            _ => panic!("both batches join the q/k/v factors or neither does"),
+        }
+    }
+}

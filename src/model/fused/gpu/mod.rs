@@ -12,6 +12,8 @@
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
 //! - [`token_logprobs()`]: one kernel for the scorer's log-softmax at the targets instead of
 //!   eight.
+//! - [`lora_delta()`]: an adapter's delta over a decoding step's few rows, both products and
+//!   the rows' rank mask, as one kernel instead of three.
 //! - [`sample_rows()`]: a decoding step's tokens drawn on the device (temperature, top-k,
 //!   top-p), two numbers a row read back instead of the row's logits.
 //!
@@ -41,6 +43,7 @@ use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 mod attention;
+mod lora;
 mod norm_rope;
 mod rms_norm;
 mod rope;
@@ -51,6 +54,7 @@ mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked};
+pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
 pub use norm_rope::rms_norm_rope;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
