@@ -45,11 +45,17 @@ impl Precision {
     }
 
     /// The dtype the base's matrices take on `device` (`auto`: bf16 on CUDA, f32 elsewhere),
-    /// or why it cannot ([`Precision::check`]; wgpu's shaders have no bf16).
+    /// or why it cannot ([`Precision::check`]; wgpu's shaders have no bf16, and some adapters no
+    /// f16).
     pub fn resolve(self, device: &Device, quantized: bool) -> std::result::Result<FloatDType, String> {
         self.check(quantized)?;
         if self == Precision::Bf16 && crate::device::is_wgpu(device) {
             return Err("bf16 needs a CUDA device (wgpu's shaders have no bf16); use f32 or f16".to_string());
+        }
+        // A wgpu adapter may lack f16 shaders (Mesa's lavapipe does): refuse here rather than
+        // fail at the first kernel.
+        if self == Precision::F16 && crate::device::is_wgpu(device) && !device.supports_dtype(FloatDType::F16) {
+            return Err("f16 is not supported by this wgpu adapter (its shaders have no f16); use f32".to_string());
         }
         Ok(match self {
             Precision::Auto if quantized || !crate::device::is_cuda(device) => FloatDType::F32,
