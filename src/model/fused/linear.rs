@@ -387,12 +387,19 @@ impl<C: CheckpointStrategy> DenseLinearBackend for Autodiff<Flex, C> {
 /// `x W^T` for a frozen `W`: straight into its output on the CPU, burn's matmul elsewhere (and
 /// for an input in another dtype than f32); the same values either way, but for products of at
 /// most [`FEW_ROWS`] rows on the CPU, whose sums are ordered differently (within float
-/// rounding). A weight held in bf16 or f16 multiplies `x` rounded to its type and the product
-/// is rounded to it (f32 accumulation), the result in `x`'s dtype. The weight gets no gradient.
+/// rounding). A weight held in bf16 or f16 multiplies `x` rounded to its type (f32
+/// accumulation); on the CPU the product is rounded to that type, the result in `x`'s dtype; on
+/// a GPU with troupe's kernels on the product is written in f32 without that rounding
+/// ([`super::gpu::frozen_linear`]). The weight gets no gradient.
 ///
 /// # Shapes
 /// `x`: `[m, in]`, `weight`: `[out, in]` -> `[m, out]`
 pub fn dense_linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
+    // On a GPU: the product written in f32, one autodiff node ([`super::gpu::frozen_linear`]).
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if let Some(y) = super::gpu::frozen_linear(&x, weight) {
+        return y;
+    }
     let low_precision = matches!(weight.dtype(), DType::BF16 | DType::F16);
     if !on_flex(&x) || x.dtype() != DType::F32 || !(weight.dtype() == DType::F32 || low_precision) {
         if weight.dtype() == x.dtype() {
@@ -418,6 +425,10 @@ pub fn dense_linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
 pub fn dense_linear_backward(dy: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
     let dy = dy.without_autodiff();
     let weight = weight.clone().without_autodiff();
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if let Some(dx) = super::gpu::frozen_linear_backward(&dy, &weight) {
+        return dx;
+    }
     if on_flex(&dy) && dy.dtype() == DType::F32 {
         if let (Ok(dy), Ok(weight)) =
             (dy.clone().try_into_primitive::<Flex>(), weight.clone().try_into_primitive::<Flex>())

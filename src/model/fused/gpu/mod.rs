@@ -2,6 +2,8 @@
 //! token is a few hundred small launches (`examples/kernel_counts.rs`). For the forwards without
 //! gradients (rollouts, scoring, evaluation):
 //!
+//! - [`frozen_linear()`]: a frozen projection's product written in f32 from a bf16 or f16
+//!   weight, without the cast of its output (and, under autodiff, of its input's gradient).
 //! - [`rms_norm()`]: one kernel per norm instead of seven; [`add_rms_norm()`], the residual
 //!   stream's sum before the MLP's norm in the same kernel.
 //! - [`rope()`]: one kernel per rotation instead of six.
@@ -43,6 +45,7 @@ use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 mod attention;
+mod linear;
 mod lora;
 mod norm_rope;
 mod rms_norm;
@@ -54,6 +57,7 @@ mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked};
+pub use linear::{frozen_linear, frozen_linear_backward};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
 pub use norm_rope::rms_norm_rope;
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};

@@ -1,0 +1,137 @@
+//! A frozen projection `x W^T` on a cubecl device, its product written in f32.
+//!
+//! With the base held in bf16 or f16 (`model.dtype`), burn's composite is three launches a
+//! product: `x` rounded to the weight's type, the product (accumulated in f32, written in the
+//! weight's type) and a cast of it back to f32; its backward is three more (the gradient
+//! rounded, the product, the cast back). burn's matmul writes any output type its accumulator
+//! converts to, so here the product writes f32 directly: two launches each way, and the
+//! product's value is its f32 accumulation, not rounded to the weight's type on the way (the
+//! residual stream it joins is f32). Under autodiff the projection is one node that keeps only
+//! the weight (a frozen weight needs no gradient, so the input is not kept).
+//!
+//! A weight in f32 takes the same node and one launch each way, as burn's matmul does.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Autodiff, Cube};
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::kernel::matmul::{matmul, MatmulStrategy};
+use burn_cubecl::kernel::{cast, untile};
+
+use super::{apply_tracked, Primitive, TrackedOp};
+
+/// `x W^T` (`transposed`) or `x W`, `x` f32 rounded to `weight`'s type when that is not f32,
+/// written in f32; `None` where burn's matmul cannot write f32 from that type on this device.
+fn product(x: Primitive, weight: &Primitive, transposed: bool) -> Option<Primitive> {
+    let low = weight.dtype;
+    let lhs = if low == DType::F32 { x } else { cast(untile(x), low) };
+    let rhs = if transposed { transpose(weight) } else { weight.clone() };
+    matmul(lhs, rhs, None, MatmulStrategy::default(), DType::F32).ok()
+}
+
+/// A 2-D primitive's transposed view.
+fn transpose(weight: &Primitive) -> Primitive {
+    Tensor::<2>::from_primitive::<Cube>(weight.clone())
+        .transpose()
+        .try_into_primitive::<Cube>()
+        .expect("a view of a cubecl tensor stays on its device")
+}
+
+/// Whether burn's matmul writes f32 from operands of `dtype` on `weight`'s device, found once
+/// per dtype by a product of one row (a runtime's matmul may refuse a combination of types).
+fn writes_f32(weight: &Primitive) -> bool {
+    static KNOWN: Mutex<Option<HashMap<DType, bool>>> = Mutex::new(None);
+    let dtype = weight.dtype;
+    if dtype == DType::F32 {
+        return true;
+    }
+    let mut known = KNOWN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    *known.get_or_insert_with(HashMap::new).entry(dtype).or_insert_with(|| {
+        let device = Tensor::<2>::from_primitive::<Cube>(weight.clone()).device();
+        let fan_in = weight.meta.shape().as_slice()[1];
+        let row = Tensor::<2>::zeros([1, fan_in], &device)
+            .try_into_primitive::<Cube>()
+            .expect("a tensor made on a cubecl device is a cubecl primitive");
+        product(row, weight, true).is_some()
+    })
+}
+
+/// `x W^T` for a frozen `W` (`[out, in]`, held in f32, bf16 or f16) on a cubecl device, in f32,
+/// with a node of its own under autodiff ([`super::takes`], [`super::takes_tracked`]); `None`
+/// (nothing run) where burn's composite should run: troupe's kernels off, `x` not f32 on a
+/// cubecl device, or a weight type burn's matmul cannot write f32 from there.
+///
+/// # Shapes
+/// `x`: `[rows, in]`, `weight`: `[out, in]` -> `[rows, out]`
+pub fn frozen_linear(x: &Tensor<2>, weight: &Tensor<2>) -> Option<Tensor<2>> {
+    if !(super::takes(x) || super::takes_tracked(x)) || weight.is_autodiff() {
+        return None;
+    }
+    let wp = weight.clone().try_into_primitive::<Cube>().ok()?;
+    if !matches!(wp.dtype, DType::F32 | DType::BF16 | DType::F16) || !writes_f32(&wp) {
+        return None;
+    }
+    if !x.is_autodiff() {
+        let xp = x.clone().try_into_primitive::<Cube>().ok()?;
+        return product(xp, &wp, true).map(Tensor::from_primitive::<Cube>);
+    }
+    apply_tracked(Frozen { weight: wp }, [x.clone()])
+}
+
+/// `dy W` for a frozen `W` (`[out, in]`) on a cubecl device, in f32 (`dy` rounded to `W`'s
+/// type when that is not f32): [`frozen_linear`]'s backward, for a caller outside autodiff;
+/// `None` where [`frozen_linear`] would not run.
+///
+/// # Shapes
+/// `dy`: `[rows, out]`, `weight`: `[out, in]` -> `[rows, in]`
+pub fn frozen_linear_backward(dy: &Tensor<2>, weight: &Tensor<2>) -> Option<Tensor<2>> {
+    if !super::takes(dy) {
+        return None;
+    }
+    let wp = weight.clone().try_into_primitive::<Cube>().ok()?;
+    if !matches!(wp.dtype, DType::F32 | DType::BF16 | DType::F16) || !writes_f32(&wp) {
+        return None;
+    }
+    let dyp = dy.clone().try_into_primitive::<Cube>().ok()?;
+    product(dyp, &wp, false).map(Tensor::from_primitive::<Cube>)
+}
+
+/// The projection by a frozen weight, as an autodiff node whose backward is
+/// [`FrozenBackward`] (the weight is all it keeps).
+#[derive(Clone, Debug)]
+struct Frozen {
+    weight: Primitive,
+}
+
+impl TrackedOp<1> for Frozen {
+    fn apply<C: CheckpointStrategy>(self, [xa]: [FloatTensor<Autodiff<Cube, C>>; 1]) -> FloatTensor<Autodiff<Cube, C>> {
+        let node = xa.node();
+        let out = product(xa.into_primitive(), &self.weight, true).expect("`writes_f32` checked the product");
+        match FrozenBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish(self, out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+}
+
+/// The backward of [`frozen_linear`]: `x`'s gradient `dy W`, in f32.
+#[derive(Debug)]
+struct FrozenBackward;
+
+impl Backward<Cube, 1> for FrozenBackward {
+    type State = Frozen;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let grad = grads.consume::<Cube>(&ops.node);
+        let Some(node) = node_x else { return };
+        let dx = product(grad, &ops.state.weight, false).expect("`writes_f32` checked the product");
+        grads.register::<Cube>(node.id, dx);
+    }
+}
