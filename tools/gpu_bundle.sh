@@ -38,21 +38,19 @@ for line in sys.stdin:
 '
 }
 
+# One cargo command for the four, so that the dependencies are built once: with the benchmarks
+# and the tests in the build, cargo unifies the dev-dependencies' features into every crate's,
+# and a `cargo build` of the binary alone would build burn and cubecl a second time.
+targets=(--bin troupe --bench model --bench adapters --test it)
 names="troupe model adapters it"
 if $autotune; then
     # First, and copied at once: the plain build below writes the same path.
-    path="$(executables build --release --bin troupe --features autotune | awk '$1 == "troupe" { print $2 }' | head -n 1)"
+    path="$(executables build --release --features autotune --bin troupe --bench adapters | awk '$1 == "troupe" { print $2 }' | head -n 1)"
     cp "$path" "$stage/troupe-autotune"
     strip "$stage/troupe-autotune"
     names="$names troupe-autotune"
 fi
-{
-    executables build --release --bin troupe --features cuda
-    executables bench --no-run --bench model --bench adapters --features cuda
-    executables test --release --test it --no-run --features cuda
-} >"$stage/list"
-# The first executable of each name: `troupe` as `cargo build` made it (the tests and benchmarks
-# build it again as a dependency).
+executables build --release --features cuda "${targets[@]}" >"$stage/list"
 for name in troupe model adapters it; do
     path="$(awk -v n="$name" '$1 == n { print $2 }' "$stage/list" | head -n 1)"
     if [ -z "$path" ]; then
