@@ -19,7 +19,7 @@ archive="$1"
 out="$2"
 shift 2
 # The modules whose tests run troupe's GPU kernels, their gradients, bf16 and the update's pass.
-tests="fused_ops:: flash_attention:: mixed_precision:: adapters_isolation:: prefix_sharing:: generation:: base_model::"
+tests="fused_ops:: flash_attention:: mixed_precision:: adapters_isolation:: prefix_sharing:: generation:: device_sampling:: base_model::"
 figures=()
 while [ $# -gt 0 ]; do
     case "$1" in
