@@ -310,7 +310,7 @@ impl MixedLora {
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     fn delta_of(&self, layer: usize, projection: Projection, x: &Tensor<3>, tracked: bool) -> Option<Tensor<3>> {
         let factors = self.factors.sites.get(&(layer, projection))?;
-        Some(self.apply(factors, self.dropped(x), tracked))
+        Some(self.apply_tracked(factors, self.dropped(x), tracked))
     }
 
     /// [`ProjectionDelta::joint_delta`] for the q/k/v parts: the layer's joint factors
@@ -319,20 +319,61 @@ impl MixedLora {
     /// # Shapes
     /// `x`: `[batch, seq, in]` -> `[batch, seq, q + k + v]`
     fn joint_of(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
+        let factors = self.joint_factors(layer, parts, x)?;
+        Some(self.apply(factors, x.clone(), None))
+    }
+
+    /// [`ProjectionDelta::joint_sum`] for the q/k/v parts: `base()` plus [`MixedLora::joint_of`]'s
+    /// delta, one kernel for both over a decoding step's few rows on a GPU.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]`, `base()`: `[batch, seq, q + k + v]` -> like `base()`
+    fn joint_sum_of(
+        &self,
+        layer: usize,
+        parts: &[(Projection, usize)],
+        x: &Tensor<3>,
+        base: &dyn Fn() -> Tensor<3>,
+    ) -> Option<Tensor<3>> {
+        let factors = self.joint_factors(layer, parts, x)?;
+        let base = base();
+        Some(self.apply(factors, x.clone(), Some(base)))
+    }
+
+    /// The layer's joint q/k/v factors, where they apply to `x`: outside autodiff, without
+    /// dropout, for exactly the q/k/v parts whose widths the factors give.
+    fn joint_factors(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<&SiteFactors> {
         if x.is_autodiff() || self.dropout.is_some() || !parts.iter().map(|&(p, _)| p).eq(JOINED) {
             return None;
         }
         let factors = self.factors.joints.get(&layer)?;
         let width: usize = parts.iter().map(|&(_, width)| width).sum();
-        (factors.b_scaled().dims()[0] == width).then(|| self.apply(factors, x.clone(), false))
+        (factors.b_scaled().dims()[0] == width).then_some(factors)
     }
 
-    /// `((x A^T) * mask) B_scaled^T` for one site's (or a joint's) factors, with the factors
-    /// outside autodiff unless `tracked`.
+    /// `((x A^T) * mask) B_scaled^T` for a joint's factors outside autodiff, added to `base`
+    /// when given.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]`, `base`: `[batch, seq, out]` -> `[batch, seq, out]`
+    fn apply(&self, factors: &SiteFactors, x: Tensor<3>, base: Option<Tensor<3>>) -> Tensor<3> {
+        self.compute(factors, x, false, base)
+    }
+
+    /// `((x A^T) * mask) B_scaled^T` for one site's factors, outside autodiff unless `tracked`.
     ///
     /// # Shapes
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
-    fn apply(&self, factors: &SiteFactors, x: Tensor<3>, tracked: bool) -> Tensor<3> {
+    fn apply_tracked(&self, factors: &SiteFactors, x: Tensor<3>, tracked: bool) -> Tensor<3> {
+        self.compute(factors, x, tracked, None)
+    }
+
+    /// `((x A^T) * mask) B_scaled^T` for one site's (or a joint's) factors, with the factors
+    /// outside autodiff unless `tracked`, added to `base` when given.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]`, `base`: `[batch, seq, out]` -> `[batch, seq, out]`
+    fn compute(&self, factors: &SiteFactors, x: Tensor<3>, tracked: bool, base: Option<Tensor<3>>) -> Tensor<3> {
         let plain = |t: &Tensor<2>| if tracked { t.clone() } else { t.clone().without_autodiff() };
         let [batch, seq, fan_in] = x.dims();
         let (a, b_scaled, mask) = match factors {
@@ -345,8 +386,9 @@ impl MixedLora {
         #[cfg(any(feature = "cuda", feature = "wgpu"))]
         if batch * seq <= gpu::LORA_DELTA_MAX_ROWS {
             let rows = x.clone().reshape([batch * seq, fan_in]);
-            if gpu::lora_delta_takes(&rows, &a, &b_scaled, mask) {
-                return gpu::lora_delta(&rows, &a, &b_scaled, mask, seq).reshape([batch, seq, out]);
+            let onto = base.as_ref().map(|b| b.clone().reshape([batch * seq, out]));
+            if gpu::lora_delta_takes(&rows, &a, &b_scaled, mask, onto.as_ref()) {
+                return gpu::lora_delta(&rows, &a, &b_scaled, mask, seq, onto.as_ref()).reshape([batch, seq, out]);
             }
         }
         // [1, batch * seq, in] x [1, in, R] -> [1, batch * seq, R]
@@ -357,7 +399,11 @@ impl MixedLora {
             }
             None => down,
         };
-        batched_matmul(down, b_scaled.transpose().unsqueeze()).reshape([batch, seq, out])
+        let delta = batched_matmul(down, b_scaled.transpose().unsqueeze()).reshape([batch, seq, out]);
+        match base {
+            Some(base) => base + delta,
+            None => delta,
+        }
     }
 }
 
@@ -371,6 +417,16 @@ impl ProjectionDelta for Untracked<'_> {
 
     fn joint_delta(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
         self.0.joint_of(layer, parts, x)
+    }
+
+    fn joint_sum(
+        &self,
+        layer: usize,
+        parts: &[(Projection, usize)],
+        x: &Tensor<3>,
+        base: &dyn Fn() -> Tensor<3>,
+    ) -> Option<Tensor<3>> {
+        self.0.joint_sum_of(layer, parts, x, base)
     }
 
     fn random_position(&self) -> Option<u128> {
@@ -396,6 +452,21 @@ impl ProjectionDelta for MixedLora {
     /// `x`: `[batch, seq, in]` -> `[batch, seq, q + k + v]`
     fn joint_delta(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
         self.joint_of(layer, parts, x)
+    }
+
+    /// The q/k/v parts' stacked output plus their joint delta, one kernel for the delta and the
+    /// sum over a decoding step's few rows on a GPU.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in]`, `base()`: `[batch, seq, q + k + v]` -> like `base()`
+    fn joint_sum(
+        &self,
+        layer: usize,
+        parts: &[(Projection, usize)],
+        x: &Tensor<3>,
+        base: &dyn Fn() -> Tensor<3>,
+    ) -> Option<Tensor<3>> {
+        self.joint_sum_of(layer, parts, x, base)
     }
 
     fn untracked(&self) -> Option<Box<dyn ProjectionDelta + '_>> {

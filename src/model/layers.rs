@@ -117,6 +117,23 @@ pub trait ProjectionDelta {
         None
     }
 
+    /// The stacked output `base()` (called only when the parts join) plus the parts'
+    /// [`ProjectionDelta::joint_delta`], where a delta may add the two in one pass; `None` when
+    /// this delta does not join these parts for this input. The default adds the joint delta.
+    ///
+    /// # Shapes
+    /// `x`: `[batch, seq, in_features]`, `base()`: `[batch, seq, sum of the parts' widths]` ->
+    /// like `base()`
+    fn joint_sum(
+        &self,
+        layer: usize,
+        parts: &[(Projection, usize)],
+        x: &Tensor<3>,
+        base: &dyn Fn() -> Tensor<3>,
+    ) -> Option<Tensor<3>> {
+        self.joint_delta(layer, parts, x).map(|delta| base() + delta)
+    }
+
     /// Which adapter row `row` applies, as a key: rows with equal keys get equal deltas for
     /// equal inputs, so work on a prompt they share may be done once for them. `None` (the
     /// default) when rows cannot be told apart this way (or a row's delta is random, as under

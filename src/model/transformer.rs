@@ -312,9 +312,10 @@ fn split_project(
     head_dim: usize,
 ) -> Vec<Tensor<4>> {
     let widths: Vec<usize> = parts.iter().map(|&(_, width)| width).collect();
-    if let Some(joint) = delta.and_then(|d| d.joint_delta(layer, parts, x)) {
-        // One add to the stacked output, then the parts as views of it.
-        return head_parts(linear.forward(x.clone()) + joint, &widths, head_dim);
+    let base = || linear.forward(x.clone());
+    if let Some(sum) = delta.and_then(|d| d.joint_sum(layer, parts, x, &base)) {
+        // The joint delta added to the stacked output, then the parts as views of it.
+        return head_parts(sum, &widths, head_dim);
     }
     let values = stacked_parts(linear, x, &widths, head_dim);
     values

@@ -924,7 +924,7 @@ fn swiglu_stacked_with_gradients_matches_the_composite_on_the_test_device() {
 /// An adapter's delta over a decoding step's few rows (one kernel on a GPU, at most 64 rows)
 /// equals the same rows' delta in a batch past that (burn's products): stacked adapters of
 /// different ranks and sites, rows without an adapter, one position and three, and the q/k/v
-/// parts' joined delta where the device joins them.
+/// parts' joined delta where the device joins them, alone and added to the stacked output.
 #[test]
 fn few_row_adapter_deltas_equal_the_products_of_a_larger_batch_on_the_test_device() {
     use troupe::adapters::MultiAdapterManager;
@@ -979,6 +979,21 @@ fn few_row_adapter_deltas_equal_the_products_of_a_larger_batch_on_the_test_devic
             (Some(got), Some(want)) => {
                 close(flat(got), flat(want.narrow(0, 0, few_agents.len())), &format!("joined q/k/v, {seq} positions"))
             }
+            (None, None) => assert!(device == Device::flex(), "a GPU joins these adapters' q/k/v factors"),
+            _ => panic!("both batches join the q/k/v factors or neither does"),
+        }
+        // The joint delta added to the stacked output (one kernel over few rows on a GPU).
+        let width = q + 2 * kv;
+        let base =
+            random(&mut rng, [many_agents.len() * seq, width], 2.0, &device).reshape([many_agents.len(), seq, width]);
+        let few_base = || base.clone().narrow(0, 0, few_agents.len());
+        let many_base = || base.clone();
+        match (few.joint_sum(0, &parts, &rows, &few_base), many.joint_sum(0, &parts, &x, &many_base)) {
+            (Some(got), Some(want)) => close(
+                flat(got),
+                flat(want.narrow(0, 0, few_agents.len())),
+                &format!("joined q/k/v added to the output, {seq} positions"),
+            ),
             (None, None) => {}
             _ => panic!("both batches join the q/k/v factors or neither does"),
         }

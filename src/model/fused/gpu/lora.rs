@@ -1,5 +1,5 @@
 //! A LoRA delta `((x A^T) * mask) B_scaled^T` over a few rows (a decoding step's) as one cubecl
-//! kernel.
+//! kernel, added to the projection's output in the same kernel where the caller gives it.
 //!
 //! Composed of burn's operations it is two products and a multiply by the rows' rank mask
 //! (stacked adapters), three launches for each adapted site at every decoded token, each doing
@@ -32,7 +32,8 @@ mod kernel {
     /// One cube per block of `rows_per_cube` rows of `x` (`[n, in]`, any strides): `out[row]`
     /// (`[n, out]`, contiguous) gets `sum_j (x[row] . a[j]) mask[row / seq, j] b[:, j]` for `a`
     /// `[rank, in]`, `b` `[out, rank]` and `mask` `[n / seq, rank]` (read only `masked`), any
-    /// strides. `slots` is at least the rank.
+    /// strides, added to `base[row]` (`[n, out]`, any strides; read only `onto`). `slots` is at
+    /// least the rank.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn lora_delta_kernel(
@@ -40,12 +41,14 @@ mod kernel {
         a: &Tensor<f32>,
         b: &Tensor<f32>,
         mask: &Tensor<f32>,
+        base: &Tensor<f32>,
         out: &mut Tensor<f32>,
         n: usize,
         seq: usize,
         #[comptime] rows_per_cube: usize,
         #[comptime] slots: usize,
         #[comptime] masked: bool,
+        #[comptime] onto: bool,
     ) {
         let first_row = (CUBE_POS_Y * CUBE_COUNT_X + CUBE_POS_X) as usize * rows_per_cube;
         let unit = UNIT_POS_X as usize;
@@ -99,6 +102,9 @@ mod kernel {
                         }
                         j += 1;
                     }
+                    if onto {
+                        sum += base[row * base.stride(0) + c * base.stride(1)];
+                    }
                     out[row * fan_out + c] = sum;
                 }
                 r += 1;
@@ -110,36 +116,44 @@ mod kernel {
 
 /// Whether [`lora_delta`] takes these operands: plain f32 tensors on a cubecl device
 /// ([`super::takes`]), at most [`MAX_ROWS`] rows and a total rank of at most 256.
-pub fn takes(x: &Tensor<2>, a: &Tensor<2>, b_scaled: &Tensor<2>, mask: Option<&Tensor<2>>) -> bool {
+pub fn takes(
+    x: &Tensor<2>,
+    a: &Tensor<2>,
+    b_scaled: &Tensor<2>,
+    mask: Option<&Tensor<2>>,
+    base: Option<&Tensor<2>>,
+) -> bool {
     let [rows, _] = x.dims();
     let [rank, _] = a.dims();
     super::takes(x)
         && super::takes(a)
         && super::takes(b_scaled)
         && mask.is_none_or(super::takes)
+        && base.is_none_or(super::takes)
         && rows > 0
         && rows <= MAX_ROWS
         && rank > 0
         && rank <= MAX_RANK
 }
 
-/// `((x A^T) * mask[row / seq]) B_scaled^T` as one kernel launch, for operands [`takes`]
-/// takes (`mask` `None`: every rank column kept).
+/// `((x A^T) * mask[row / seq]) B_scaled^T`, added to `base` when given, as one kernel launch,
+/// for operands [`takes`] takes (`mask` `None`: every rank column kept).
 ///
 /// # Panics
 /// If [`takes`] does not take the operands.
 ///
 /// # Shapes
-/// `x`: `[n, in]`, `a`: `[rank, in]`, `b_scaled`: `[out, rank]`, `mask`: `[n / seq, rank]` ->
-/// `[n, out]`
+/// `x`: `[n, in]`, `a`: `[rank, in]`, `b_scaled`: `[out, rank]`, `mask`: `[n / seq, rank]`,
+/// `base`: `[n, out]` -> `[n, out]`
 pub fn lora_delta(
     x: &Tensor<2>,
     a: &Tensor<2>,
     b_scaled: &Tensor<2>,
     mask: Option<&Tensor<2>>,
     seq: usize,
+    base: Option<&Tensor<2>>,
 ) -> Tensor<2> {
-    assert!(takes(x, a, b_scaled, mask), "the few-row LoRA kernel takes plain f32 operands on a cubecl device");
+    assert!(takes(x, a, b_scaled, mask, base), "the few-row LoRA kernel takes plain f32 operands on a cubecl device");
     let [n, _] = x.dims();
     let [rank, _] = a.dims();
     let [fan_out, _] = b_scaled.dims();
@@ -147,9 +161,10 @@ pub fn lora_delta(
         untile(t.clone().try_into_primitive::<Cube>().expect("`takes` checked the device"))
     };
     let (x, a, b) = (primitive(x), primitive(a), primitive(b_scaled));
-    let masked = mask.is_some();
-    // Without a mask the kernel reads none; any f32 tensor stands in for the argument.
+    let (masked, onto) = (mask.is_some(), base.is_some());
+    // Without a mask or a base the kernel reads none; any f32 tensor stands in for the argument.
     let mask = mask.map_or_else(|| a.clone(), primitive);
+    let base = base.map_or_else(|| a.clone(), primitive);
     let out = empty_of(&x, Shape::new([n, fan_out]));
     let cubes = n.div_ceil(ROWS);
     let count = CubeCount::Static(cubes.min(MAX_GRID) as u32, cubes.div_ceil(MAX_GRID) as u32, 1);
@@ -162,12 +177,14 @@ pub fn lora_delta(
         a.into_tensor_arg(),
         b.into_tensor_arg(),
         mask.into_tensor_arg(),
+        base.into_tensor_arg(),
         out.clone().into_tensor_arg(),
         n,
         seq.max(1),
         ROWS,
         rank.next_power_of_two(),
         masked,
+        onto,
     );
     Tensor::from_primitive::<Cube>(out)
 }
