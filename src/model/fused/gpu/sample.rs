@@ -39,6 +39,31 @@ mod kernel {
     /// The bits of 1.0f32: no weight `e^((x - max) / t)` exceeds it.
     const ONE_BITS: u32 = 0x3F80_0000;
 
+    /// The weight of logit `x`: `e^((x - max) / t)`, the host's (unnormalised) probability.
+    #[cube]
+    fn weight_of(x: f32, row_max: f32, temperature: f32) -> f32 {
+        f32::exp((x - row_max) / temperature)
+    }
+
+    /// Whether a token of weight `w` is kept: above the boundary `tau`, or at it and among the
+    /// first `need` such tokens (`rank` of them come before it).
+    #[cube]
+    fn is_kept(w: f32, tau: f32, rank: f32, need: f32) -> bool {
+        w > tau || (w == tau && rank < need)
+    }
+
+    /// The ties at the boundary in the chunks of the units before `unit` (`ties`, one a unit).
+    #[cube]
+    fn ties_before(ties: &Shared<[f32]>, unit: usize) -> f32 {
+        let mut rank = 0.0f32;
+        let mut v = 0usize;
+        while v < unit {
+            rank += ties[v];
+            v += 1;
+        }
+        rank
+    }
+
     /// The cube's sum over the row of `1` (`count`) or of the weight, for the tokens whose weight
     /// is at least `threshold`. Every unit of the cube must call it.
     #[cube]
@@ -57,7 +82,7 @@ mod kernel {
         let mut sum = 0.0f32;
         let mut i = UNIT_POS_X as usize;
         while i < vocab {
-            let w = f32::exp((logits[start + i * step] - row_max) / temperature);
+            let w = weight_of(logits[start + i * step], row_max, temperature);
             if w >= threshold {
                 if count {
                     sum += 1.0;
@@ -235,8 +260,7 @@ mod kernel {
                 let mut ties_here = 0.0f32;
                 let mut i = first;
                 while i < end {
-                    let w = f32::exp((logits[start + i * step] - row_max) / temperature);
-                    if w == tau {
+                    if weight_of(logits[start + i * step], row_max, temperature) == tau {
                         ties_here += 1.0;
                     }
                     i += 1;
@@ -245,23 +269,16 @@ mod kernel {
                 let mut masses = Shared::<[f32]>::new_slice(units);
                 ties[unit] = ties_here;
                 sync_cube();
-                let mut rank = 0.0f32;
-                let mut v = 0usize;
-                while v < unit {
-                    rank += ties[v];
-                    v += 1;
-                }
+                let mut rank = ties_before(&ties, unit);
                 let mut mass_here = 0.0f32;
                 let mut i = first;
                 while i < end {
-                    let w = f32::exp((logits[start + i * step] - row_max) / temperature);
-                    let mut kept = w > tau;
-                    if w == tau {
-                        kept = rank < need;
-                        rank += 1.0;
-                    }
-                    if kept {
+                    let w = weight_of(logits[start + i * step], row_max, temperature);
+                    if is_kept(w, tau, rank, need) {
                         mass_here += w;
+                    }
+                    if w == tau {
+                        rank += 1.0;
                     }
                     i += 1;
                 }
@@ -288,21 +305,15 @@ mod kernel {
                 if owns {
                     // Walk the chunk as its mass was added; rounding that leaves the draw past
                     // the chunk's last kept token takes that token.
-                    let mut rank = 0.0f32;
-                    let mut v = 0usize;
-                    while v < unit {
-                        rank += ties[v];
-                        v += 1;
-                    }
+                    let mut rank = ties_before(&ties, unit);
                     let mut running = 0.0f32;
                     let mut token = end;
                     let mut last_kept = first;
                     let mut i = first;
                     while i < end {
-                        let w = f32::exp((logits[start + i * step] - row_max) / temperature);
-                        let mut kept = w > tau;
+                        let w = weight_of(logits[start + i * step], row_max, temperature);
+                        let kept = is_kept(w, tau, rank, need);
                         if w == tau {
-                            kept = rank < need;
                             rank += 1.0;
                         }
                         if kept && w > 0.0 {
