@@ -1,5 +1,7 @@
 //! Choosing the next token from logits: greedy, temperature, top-k and top-p (nucleus), driven
-//! by a seeded `ChaCha8Rng` so the same seed gives the same text.
+//! by a seeded `ChaCha8Rng` so the same seed gives the same text on the same device. On the
+//! host ([`sample`]) each row's logits are read back; on a GPU ([`sample_on_device`]) the same
+//! candidates are drawn from where the logits are.
 
 use burn::tensor::Tensor;
 use rand::Rng;
