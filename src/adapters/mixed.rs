@@ -310,7 +310,7 @@ impl MixedLora {
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     fn delta_of(&self, layer: usize, projection: Projection, x: &Tensor<3>, tracked: bool) -> Option<Tensor<3>> {
         let factors = self.factors.sites.get(&(layer, projection))?;
-        Some(self.apply_tracked(factors, self.dropped(x), tracked))
+        Some(self.apply(factors, self.dropped(x), tracked, None))
     }
 
     /// [`ProjectionDelta::joint_delta`] for the q/k/v parts: the layer's joint factors
@@ -320,7 +320,7 @@ impl MixedLora {
     /// `x`: `[batch, seq, in]` -> `[batch, seq, q + k + v]`
     fn joint_of(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
         let factors = self.joint_factors(layer, parts, x)?;
-        Some(self.apply(factors, x.clone(), None))
+        Some(self.apply(factors, x.clone(), false, None))
     }
 
     /// [`ProjectionDelta::joint_sum`] for the q/k/v parts: `base()` plus [`MixedLora::joint_of`]'s
@@ -337,7 +337,7 @@ impl MixedLora {
     ) -> Option<Tensor<3>> {
         let factors = self.joint_factors(layer, parts, x)?;
         let base = base();
-        Some(self.apply(factors, x.clone(), Some(base)))
+        Some(self.apply(factors, x.clone(), false, Some(base)))
     }
 
     /// The layer's joint q/k/v factors, where they apply to `x`: outside autodiff, without
@@ -351,29 +351,12 @@ impl MixedLora {
         (factors.b_scaled().dims()[0] == width).then_some(factors)
     }
 
-    /// `((x A^T) * mask) B_scaled^T` for a joint's factors outside autodiff, added to `base`
-    /// when given.
-    ///
-    /// # Shapes
-    /// `x`: `[batch, seq, in]`, `base`: `[batch, seq, out]` -> `[batch, seq, out]`
-    fn apply(&self, factors: &SiteFactors, x: Tensor<3>, base: Option<Tensor<3>>) -> Tensor<3> {
-        self.compute(factors, x, false, base)
-    }
-
-    /// `((x A^T) * mask) B_scaled^T` for one site's factors, outside autodiff unless `tracked`.
-    ///
-    /// # Shapes
-    /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
-    fn apply_tracked(&self, factors: &SiteFactors, x: Tensor<3>, tracked: bool) -> Tensor<3> {
-        self.compute(factors, x, tracked, None)
-    }
-
     /// `((x A^T) * mask) B_scaled^T` for one site's (or a joint's) factors, with the factors
     /// outside autodiff unless `tracked`, added to `base` when given.
     ///
     /// # Shapes
     /// `x`: `[batch, seq, in]`, `base`: `[batch, seq, out]` -> `[batch, seq, out]`
-    fn compute(&self, factors: &SiteFactors, x: Tensor<3>, tracked: bool, base: Option<Tensor<3>>) -> Tensor<3> {
+    fn apply(&self, factors: &SiteFactors, x: Tensor<3>, tracked: bool, base: Option<Tensor<3>>) -> Tensor<3> {
         let plain = |t: &Tensor<2>| if tracked { t.clone() } else { t.clone().without_autodiff() };
         let [batch, seq, fan_in] = x.dims();
         let (a, b_scaled, mask) = match factors {
