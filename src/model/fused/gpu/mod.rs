@@ -201,6 +201,39 @@ mod cube {
         whole
     }
 
+    /// The maximum of a row of `logits` (`[rows, vocab]`, the row's values `logits[start + i *
+    /// step]`) and its `ln sum_v e^(logits[v])`: the maximum, then the sum of `e^(x - max)`, each
+    /// reduced in `partial` (one slot per unit). The scorer's log-softmax and decoding's draw
+    /// share it, so the draw records the log-probability the scorer computes. Every unit of the
+    /// cube must call it; `partial` may be reused afterwards.
+    #[cube]
+    pub(super) fn row_max_lse(
+        logits: &Tensor<f32>,
+        start: usize,
+        step: usize,
+        partial: &mut Shared<[f32]>,
+    ) -> (f32, f32) {
+        let unit = UNIT_POS_X as usize;
+        let stride = CUBE_DIM_X as usize;
+        let vocab = logits.shape(1);
+        let mut largest = f32::new(-3.402_823_5e38f32);
+        let mut i = unit;
+        while i < vocab {
+            largest = max(largest, logits[start + i * step]);
+            i += stride;
+        }
+        let row_max = cube_reduce(partial, largest, true);
+
+        let mut sum = 0.0f32;
+        let mut i = unit;
+        while i < vocab {
+            sum += f32::exp(logits[start + i * step] - row_max);
+            i += stride;
+        }
+        let total = cube_reduce(partial, sum, false);
+        (row_max, f32::ln(total) + row_max)
+    }
+
     /// `1 / sqrt(mean(v^2) + eps)` over a row of `width` values `x[start + i * step]`: each unit
     /// sums the squares of every `CUBE_DIM_X`-th value from its own position, and the cube adds
     /// the partial sums ([`cube_reduce`], in `partial`). Every unit of the cube must call it;

@@ -34,7 +34,7 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    use super::super::cube::{cube_reduce, cube_row};
+    use super::super::cube::{cube_reduce, cube_row, row_max_lse};
 
     /// The bits of 1.0f32: no weight `e^((x - max) / t)` exceeds it.
     const ONE_BITS: u32 = 0x3F80_0000;
@@ -163,21 +163,7 @@ mod kernel {
             let start = row * logits.stride(0);
             let step = logits.stride(1);
             let mut partial = Shared::<[f32]>::new_slice(units);
-
-            let mut largest = f32::new(-3.402_823_5e38f32);
-            let mut i = unit;
-            while i < vocab {
-                largest = max(largest, logits[start + i * step]);
-                i += units_here;
-            }
-            let row_max = cube_reduce(&mut partial, largest, true);
-            let mut sum = 0.0f32;
-            let mut i = unit;
-            while i < vocab {
-                sum += f32::exp(logits[start + i * step] - row_max);
-                i += units_here;
-            }
-            let lse = f32::ln(cube_reduce(&mut partial, sum, false)) + row_max;
+            let (row_max, lse) = row_max_lse(logits, start, step, &mut partial);
 
             if greedy {
                 // The first index of the maximum: the largest of the negated indices.

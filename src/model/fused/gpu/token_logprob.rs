@@ -19,32 +19,7 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    use super::super::cube::{cube_reduce, cube_row};
-
-    /// The row's `ln sum_v e^(logits[row, v])` (the maximum, then the sum of `e^(x - max)`, each
-    /// reduced in `partial`, one slot per unit). Every unit of the cube must call it.
-    #[cube]
-    fn row_lse(logits: &Tensor<f32>, start: usize, step: usize, partial: &mut Shared<[f32]>) -> f32 {
-        let unit = UNIT_POS_X as usize;
-        let stride = CUBE_DIM_X as usize;
-        let vocab = logits.shape(1);
-        let mut largest = f32::new(-3.402_823_5e38f32);
-        let mut i = unit;
-        while i < vocab {
-            largest = max(largest, logits[start + i * step]);
-            i += stride;
-        }
-        let row_max = cube_reduce(partial, largest, true);
-
-        let mut sum = 0.0f32;
-        let mut i = unit;
-        while i < vocab {
-            sum += f32::exp(logits[start + i * step] - row_max);
-            i += stride;
-        }
-        let total = cube_reduce(partial, sum, false);
-        f32::ln(total) + row_max
-    }
+    use super::super::cube::{cube_row, row_max_lse};
 
     /// One cube per row of `logits` (`[rows, vocab]`, any strides): `out[row]` (`[rows]`,
     /// contiguous) gets `logits[row, targets[row]] - ln sum_v e^(logits[row, v])`. `units` is the
@@ -64,7 +39,7 @@ mod kernel {
             let start = row * logits.stride(0);
             let step = logits.stride(1);
             let mut partial = Shared::<[f32]>::new_slice(units);
-            let lse = row_lse(logits, start, step, &mut partial);
+            let (_, lse) = row_max_lse(logits, start, step, &mut partial);
             if UNIT_POS_X == 0 {
                 let target = usize::cast_from(targets[row * targets.stride(0)]);
                 out[row] = logits[start + target * step] - lse;
@@ -90,7 +65,7 @@ mod kernel {
             let start = row * logits.stride(0);
             let step = logits.stride(1);
             let mut partial = Shared::<[f32]>::new_slice(units);
-            let lse = row_lse(logits, start, step, &mut partial);
+            let (_, lse) = row_max_lse(logits, start, step, &mut partial);
             let target = usize::cast_from(targets[row * targets.stride(0)]);
             let mut i = UNIT_POS_X as usize;
             while i < vocab {
