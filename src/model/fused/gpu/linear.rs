@@ -62,6 +62,13 @@ fn writes_f32(weight: &Primitive) -> bool {
     })
 }
 
+/// `weight`'s primitive where the products here take it: plain, on a cubecl device, in f32, bf16
+/// or f16, of a type burn's matmul writes f32 from there ([`writes_f32`]).
+fn frozen_weight(weight: &Tensor<2>) -> Option<Primitive> {
+    let wp = weight.clone().try_into_primitive::<Cube>().ok()?;
+    (matches!(wp.dtype, DType::F32 | DType::BF16 | DType::F16) && writes_f32(&wp)).then_some(wp)
+}
+
 /// `x W^T` for a frozen `W` (`[out, in]`, held in f32, bf16 or f16) on a cubecl device, in f32,
 /// with a node of its own under autodiff ([`super::takes`], [`super::takes_tracked`]); `None`
 /// (nothing run) where burn's composite should run: troupe's kernels off, `x` not f32 on a
@@ -73,10 +80,7 @@ pub fn frozen_linear(x: &Tensor<2>, weight: &Tensor<2>) -> Option<Tensor<2>> {
     if !(super::takes(x) || super::takes_tracked(x)) || weight.is_autodiff() {
         return None;
     }
-    let wp = weight.clone().try_into_primitive::<Cube>().ok()?;
-    if !matches!(wp.dtype, DType::F32 | DType::BF16 | DType::F16) || !writes_f32(&wp) {
-        return None;
-    }
+    let wp = frozen_weight(weight)?;
     if !x.is_autodiff() {
         let xp = x.clone().try_into_primitive::<Cube>().ok()?;
         return product(xp, &wp, true).map(Tensor::from_primitive::<Cube>);
@@ -94,10 +98,7 @@ pub fn frozen_linear_backward(dy: &Tensor<2>, weight: &Tensor<2>) -> Option<Tens
     if !super::takes(dy) {
         return None;
     }
-    let wp = weight.clone().try_into_primitive::<Cube>().ok()?;
-    if !matches!(wp.dtype, DType::F32 | DType::BF16 | DType::F16) || !writes_f32(&wp) {
-        return None;
-    }
+    let wp = frozen_weight(weight)?;
     let dyp = dy.clone().try_into_primitive::<Cube>().ok()?;
     product(dyp, &wp, false).map(Tensor::from_primitive::<Cube>)
 }
