@@ -1,19 +1,22 @@
 //! Kernel launches per workload on a GPU device: a decoded token (batch 1 and 16, the `small`
 //! preset or `TROUPE_BENCH_PRESETS`' first; and batch 16 over two agents' adapters, r8 on
 //! q,k,v,o, as a rollout decodes), a 1 x 128 prefill, a LoRA training step's forward,
-//! backward and AdamW (r8 on q,k,v,o, 8 x 128 tokens, as `benches/adapters.rs` times it) and a
-//! mixed-adapter forward of 32 x 64 rows over 1 and 8 adapters. Each workload runs once to
+//! backward and AdamW (r8 on q,k,v,o, 8 x 128 tokens, as `benches/adapters.rs` times it), an
+//! iteration's update of 16 rows over two agents' adapters (`Scorer::gradients`; with
+//! `update-shapes`, ten such micro-batches of random lengths, with the kernels each compiles when
+//! `CUBECL_DEBUG_LOG` names a file), and a mixed-adapter forward of 32 x 64 rows over 1 and 8 adapters. Each workload runs once to
 //! compile its kernels, then once counted. Counts, not times: they are the same on any cubecl
 //! device, so a machine without a GPU counts them through wgpu on Mesa's lavapipe:
 //!
 //! ```bash
 //! apt-get install mesa-vulkan-drivers   # lavapipe, a Vulkan device on the CPU
-//! TROUPE_DEVICE=wgpu TROUPE_DTYPE=f32 cargo run --release --features wgpu --example kernel_counts [decode prefill train mixed]
+//! TROUPE_DEVICE=wgpu TROUPE_DTYPE=f32 cargo run --release --features wgpu --example kernel_counts [decode prefill train update update-shapes mixed]
 //! ```
 //!
 //! (`TROUPE_DEVICE=cuda` and `--features cuda` on an NVIDIA GPU; `TROUPE_DTYPE` as for the
 //! benchmarks; `TROUPE_GPU_KERNELS=burn` counts burn's composites in place of troupe's GPU
-//! kernels.)
+//! kernels; `KERNEL_COUNTS_WIDTH_STEP=1` pads batches only to their longest row, as the CPU does,
+//! in place of the GPU's multiple of 8 slots.)
 #![allow(missing_docs)]
 
 #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
@@ -38,8 +41,12 @@ mod counts {
     use rand_chacha::ChaCha8Rng;
     use troupe::adapters::optim::adapter_grads;
     use troupe::adapters::{AdamWConfig, AdamWState, AdapterConfig, MultiAdapterManager};
+    use troupe::generate::choice::ChoiceScore;
     use troupe::generate::{generate, next_token_logprobs, GenerateOptions, SamplingConfig, ScoringBatch};
     use troupe::model::{ForwardArgs, LoadOptions, Model, Preset, SequenceLayout};
+    use troupe::rl::credit::batch::{TrainBatch, TrainRow};
+    use troupe::rl::objective::{KlPenalty, Objective, ObjectiveConfig};
+    use troupe::rl::update::Scorer;
 
     #[derive(Default)]
     struct Count(Mutex<BTreeMap<&'static str, usize>>);
@@ -93,8 +100,13 @@ mod counts {
         let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
         let preset = troupe::device::bench_presets(&[Preset::Small]).unwrap()[0];
         let what: Vec<String> = std::env::args().skip(1).collect();
-        let want = |w: &str| what.is_empty() || what.iter().any(|x| x == w);
-        let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
+        let named = |w: &str| what.iter().any(|x| x == w);
+        // Every workload but `update-shapes` when none is named.
+        let want = |w: &str| named(w) || (what.is_empty() && w != "update-shapes");
+        let mut model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
+        if let Ok(step) = std::env::var("KERNEL_COUNTS_WIDTH_STEP") {
+            model.lm = model.lm.clone().with_width_step(step.parse().expect("KERNEL_COUNTS_WIDTH_STEP: a count"));
+        }
         let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         let rows = |rng: &mut ChaCha8Rng, b: usize, l: usize| -> Vec<Vec<u32>> {
@@ -184,6 +196,83 @@ mod counts {
             };
             step(false);
             step(true);
+        }
+        if want("update") || want("update-shapes") {
+            // An iteration's update as the trainer runs it (`Scorer::gradients`): 16 reply rows in
+            // one micro-batch (`runtime.micro_batch_rows`' default), two agents' adapters (r8 on
+            // q,k,v,o), 2 groups x 2 agents x 4 replies after prompts that each group's replies
+            // of one agent share (each distinct prompt runs once).
+            let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
+            manager.create_adapters(2, &AdapterConfig::default()).unwrap();
+            let batch = |rng: &mut ChaCha8Rng, prompt_len: usize, reply: usize| {
+                let mut train_rows = Vec::new();
+                for _group in 0..2 {
+                    for agent in 0..2 {
+                        let prompt = rows(rng, 1, prompt_len).remove(0);
+                        for k in 0..4 {
+                            // Replies of `reply - 7` to `reply` tokens.
+                            let len = reply - 7 + 2 * k + agent;
+                            let mut tokens = prompt.clone();
+                            tokens.extend(rows(rng, 1, len).remove(0));
+                            train_rows.push(TrainRow {
+                                agent,
+                                tokens,
+                                prompt_len: prompt.len(),
+                                advantage: if k % 2 == 0 { 1.0 } else { -1.0 },
+                                sampling_logprobs: vec![-2.0; len],
+                                choice: None,
+                                reference_logprobs: None,
+                            });
+                        }
+                    }
+                }
+                TrainBatch { rows: train_rows }
+            };
+            let scorer = Scorer {
+                model: &model,
+                manager: &manager,
+                micro_batch_rows: 16,
+                micro_batch_tokens: None,
+                gradient_checkpointing: false,
+                temperature: 1.0,
+                choice_score: ChoiceScore::default(),
+                max_new_tokens: 64,
+                skip_zero_advantage: true,
+            };
+            let objective = Objective { config: ObjectiveConfig::default(), kl: KlPenalty::default() };
+            let pass = |batch: &TrainBatch| {
+                counted(|| {
+                    let pass = scorer.gradients(batch, &objective, 0).unwrap();
+                    device.sync().unwrap();
+                    pass.loss
+                })
+                .1
+            };
+            if want("update") {
+                let batch = batch(&mut rng, 96, 32);
+                pass(&batch);
+                report("update: one micro-batch of 16 rows, forward and backward", &pass(&batch), 1.0);
+            }
+            if want("update-shapes") {
+                // Ten micro-batches of random lengths, as an iteration's differ: the kernels each
+                // compiles anew, counted from cubecl's compilation log when `CUBECL_DEBUG_LOG`
+                // names a file (written by cubecl's logging thread, so read after a pause).
+                let compiled = || {
+                    std::thread::sleep(std::time::Duration::from_secs(2));
+                    let log = std::fs::read_to_string(std::env::var("CUBECL_DEBUG_LOG").ok()?).ok()?;
+                    Some(log.matches("[START_KERNEL_COMPILATION]").count())
+                };
+                let mut shapes = ChaCha8Rng::seed_from_u64(1);
+                for _ in 0..10 {
+                    let (prompt, reply) = (shapes.random_range(60..160usize), shapes.random_range(12..48usize));
+                    let batch = batch(&mut rng, prompt, reply);
+                    let before = compiled();
+                    let launches = pass(&batch);
+                    let fresh = compiled().zip(before).map_or("?".to_string(), |(a, b)| (a - b).to_string());
+                    let total: usize = launches.values().sum();
+                    println!("update, prompts of {prompt}, replies up to {reply}: {total} launches, {fresh} kernels compiled");
+                }
+            }
         }
         if want("mixed") {
             let r = rows(&mut rng, 32, 64);

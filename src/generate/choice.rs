@@ -80,7 +80,10 @@ impl PackedChoices {
         }
         let device = lm.device().clone();
         let vocab = lm.config.vocab_size;
-        let width = decisions.iter().map(|(p, c)| p.len() + c.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(0);
+        let longest = decisions.iter().map(|(p, c)| p.len() + c.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(0);
+        // Rounded up to the model's width step ([`CausalLm::width_step`]: on a GPU, so that packs
+        // of nearby widths reuse compiled kernels).
+        let width = lm.padded_width(longest);
         let batch = decisions.len();
         let max_tokens = decisions.iter().flat_map(|(_, c)| c.iter().map(Vec::len)).max().unwrap_or(1);
         let max_candidates = decisions.iter().map(|(_, c)| c.len()).max().unwrap_or(1);
@@ -169,6 +172,8 @@ impl PackedChoices {
             }
             counts.push(candidates.len());
         }
+        // The head's rows rounded likewise; the extra ones read slot 0 and nothing reads them.
+        predictors.resize(lm.padded_width(predictors.len()), 0);
         let int1 = |values: Vec<i64>| {
             let n = values.len();
             Tensor::<1, Int>::from_data(TensorData::new(values, [n]), &device)

@@ -31,7 +31,7 @@ pub use layers::{Projection, ProjectionDelta};
 pub use load::{LoadOptions, Precision};
 pub use quant::BaseFormat;
 pub use tokenizer::{ChatMessage, TextTokenizer};
-pub use transformer::{AttentionLayout, CausalLm, ForwardArgs, KvCache, SequenceLayout};
+pub use transformer::{AttentionLayout, CausalLm, ForwardArgs, KvCache, SequenceLayout, GPU_WIDTH_STEP};
 
 use crate::error::{Result, TroupeError};
 use layers::WeightLoader;

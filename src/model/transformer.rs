@@ -282,7 +282,16 @@ pub struct CausalLm {
     /// The fingerprint of the f32 weights of a base held in bf16 or f16, taken at load
     /// ([`super::fingerprint::base_fingerprint`]); `None` for a base in f32 or kept quantized.
     source_fingerprint: Option<String>,
+    /// Batches of rows are padded to a multiple of this many slots ([`CausalLm::width_step`]).
+    width_step: usize,
 }
+
+/// On a GPU the widths of a batch's rows (prompts, prefixes, replies, packed decisions) are
+/// padded to a multiple of this many slots, the padding masked: a backend that compiles a kernel
+/// per shape class (burn's matrix products choose their vector widths and bounds checks by how
+/// the dimensions divide) then meets a few widths instead of one per length, and batches of
+/// nearby lengths reuse its kernels.
+pub const GPU_WIDTH_STEP: usize = 8;
 
 /// Per-call inputs besides the tokens.
 pub struct ForwardArgs<'a> {
@@ -642,7 +651,19 @@ impl CausalLm {
             (BaseFormat::F32, FloatDType::F32) | (BaseFormat::Quantized, _) => None,
             _ => Some(super::fingerprint::source_fingerprint(&config, source)?),
         };
-        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope, device: device.clone(), source_fingerprint })
+        // On the CPU nothing is compiled: rows are padded only to the longest.
+        let width_step = if *device == Device::flex() { 1 } else { GPU_WIDTH_STEP };
+        Ok(Self {
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            device: device.clone(),
+            source_fingerprint,
+            width_step,
+        })
     }
 
     /// The dtype the base's float matrices are held in (`model.dtype`); f32 when kept quantized.
@@ -705,6 +726,25 @@ impl CausalLm {
     /// The device the weights live on.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The multiple of slots a batch's rows are padded to ([`GPU_WIDTH_STEP`] on a GPU, 1 on
+    /// the CPU): scoring, generation and packed decisions pad their rows to the longest row's
+    /// width rounded up to it. The results do not depend on it (padding is masked).
+    pub fn width_step(&self) -> usize {
+        self.width_step
+    }
+
+    /// The same model padding batches to a multiple of `step` slots (at least 1): for tests
+    /// and measurements of the padding, on any device.
+    pub fn with_width_step(mut self, step: usize) -> Self {
+        self.width_step = step.max(1);
+        self
+    }
+
+    /// The width a batch whose longest row is `longest` slots is padded to.
+    pub fn padded_width(&self, longest: usize) -> usize {
+        longest.next_multiple_of(self.width_step)
     }
 
     /// Token ids (`[batch][seq]`, all rows the same length) as a tensor, refusing ids outside

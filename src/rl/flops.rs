@@ -2,8 +2,17 @@
 //! matrices (2 FLOPs each), the way MFU figures count them: the linear projections of every
 //! token, the attention scores and weighted values of every (query, key) pair a causal or
 //! packed layout lets a token see, and the LM head where logits are read. Padding and the
-//! elementwise work (norms, RoPE, softmax) are not counted. A backward pass through the frozen
-//! base (gradients of the activations, then of the LoRA factors) counts twice its forward.
+//! elementwise work (norms, RoPE, softmax) are not counted, nor are the LoRA factors' low-rank
+//! products.
+//!
+//! A backward pass through the frozen base counts the products it computes
+//! ([`FlopModel::with_backward`]): a frozen projection's backward is the gradient of its input
+//! alone (one product, as many FLOPs as its forward: the frozen weight gets no gradient), the
+//! LM head's likewise, attention's the gradients of the queries, keys and values (four
+//! products, twice its forward's two). So a training step through the base is about twice its
+//! forward, not the three times of full fine-tuning's MFU convention (which counts the weights'
+//! gradients too). Recomputation (activation checkpointing) is not useful work and is not
+//! counted.
 
 use crate::model::ModelConfig;
 
@@ -30,6 +39,16 @@ impl FlopModel {
             linear_per_token: 2.0 * per_layer * layers,
             attention_per_pair: 2.0 * 2.0 * q * layers,
             head_per_position: 2.0 * h * config.vocab_size as f64,
+        }
+    }
+
+    /// The costs of a forward pass and its backward through the frozen base (module docs): the
+    /// projections and the head twice their forward, attention three times.
+    pub fn with_backward(self) -> Self {
+        Self {
+            linear_per_token: 2.0 * self.linear_per_token,
+            attention_per_pair: 3.0 * self.attention_per_pair,
+            head_per_position: 2.0 * self.head_per_position,
         }
     }
 
@@ -103,5 +122,10 @@ mod tests {
         let shared = f.shared_prefixes([(0, 5, 3, 3), (0, 5, 2, 2), (1, 4, 3, 3)]);
         let expected = f.causal(5, 0) + f.continuation(5, 3, 3) + f.continuation(5, 2, 2) + f.causal(7, 3);
         assert!((shared - expected).abs() < 1e-6);
+        // Forward and backward: the projections' and head's products twice, attention's three
+        // times (the backward's dQ, dK, dV and dP beside the forward's scores and values).
+        let b = f.with_backward();
+        let want = 2.0 * 2.0 * f.linear_per_token + 3.0 * 3.0 * f.attention_per_pair + 2.0 * f.head_per_position;
+        assert!((b.causal(2, 1) - want).abs() < 1e-6);
     }
 }

@@ -216,10 +216,10 @@ impl Scorer<'_> {
             }
         }
         let (replies, choices) = self.planned(batch, skip);
-        // Forward, then a backward of twice its work, for the rows run.
-        pass.flops = 3.0
-            * (replies.iter().map(|(_, c)| self.replies_flops(c, true)).sum::<f64>()
-                + choices.iter().flat_map(|(_, c)| c).map(|r| self.row_flops(r)).sum::<f64>());
+        // The forward and backward passes of the rows run.
+        let trained = self.flop_model().with_backward();
+        pass.flops = replies.iter().map(|(_, c)| self.replies_flops(c, true, &trained)).sum::<f64>()
+            + choices.iter().flat_map(|(_, c)| c).map(|r| self.row_flops(r, &trained)).sum::<f64>();
         for (chunk_index, chunk) in &replies {
             let started = Instant::now();
             let agents: Vec<Option<usize>> = chunk.iter().map(|r| Some(r.agent)).collect();
@@ -348,8 +348,14 @@ impl Scorer<'_> {
     /// [`Scorer::attach_reference`] costs).
     pub fn forward_flops(&self, batch: &TrainBatch) -> f64 {
         let (replies, choices) = self.chunks(batch);
-        replies.iter().map(|c| self.replies_flops(c, false)).sum::<f64>()
-            + choices.iter().flatten().map(|r| self.row_flops(r)).sum::<f64>()
+        let forward = self.flop_model();
+        replies.iter().map(|c| self.replies_flops(c, false, &forward)).sum::<f64>()
+            + choices.iter().flatten().map(|r| self.row_flops(r, &forward)).sum::<f64>()
+    }
+
+    /// The forward costs of the model scored.
+    fn flop_model(&self) -> FlopModel {
+        FlopModel::new(&self.model.lm.config)
     }
 
     /// Whether any of `rows` is scored by an adapter with dropout (whose rows then draw their
@@ -358,15 +364,14 @@ impl Scorer<'_> {
         rows.any(|r| self.manager.adapter(r.agent).is_ok_and(|a| a.config.lora_dropout > 0.0))
     }
 
-    /// Forward FLOPs of scoring one micro-batch of replies, where rows that share everything
-    /// before their last prompt token (on one adapter, when `on_adapters`) compute it once
-    /// ([`crate::generate::completion_logprobs`]); under adapter dropout nothing is shared.
-    fn replies_flops(&self, chunk: &[&TrainRow], on_adapters: bool) -> f64 {
+    /// FLOPs, at `model`'s costs, of scoring one micro-batch of replies, where rows that share
+    /// everything before their last prompt token (on one adapter, when `on_adapters`) compute it
+    /// once ([`crate::generate::completion_logprobs`]); under adapter dropout nothing is shared.
+    fn replies_flops(&self, chunk: &[&TrainRow], on_adapters: bool, model: &FlopModel) -> f64 {
         let dropout = on_adapters && self.has_dropout(chunk.iter().copied());
         if dropout {
-            return chunk.iter().map(|r| self.row_flops(r)).sum();
+            return chunk.iter().map(|r| self.row_flops(r, model)).sum();
         }
-        let model = FlopModel::new(&self.model.lm.config);
         model.shared_prefixes(chunk.iter().map(|r| {
             let prefix = r.prompt_len.saturating_sub(1);
             let key = (if on_adapters { Some(r.agent) } else { None }, &r.tokens[..prefix]);
@@ -374,9 +379,8 @@ impl Scorer<'_> {
         }))
     }
 
-    /// Forward FLOPs of scoring one row.
-    fn row_flops(&self, row: &TrainRow) -> f64 {
-        let model = FlopModel::new(&self.model.lm.config);
+    /// FLOPs, at `model`'s costs, of scoring one row.
+    fn row_flops(&self, row: &TrainRow, model: &FlopModel) -> f64 {
         match &row.choice {
             Some(choice) => {
                 model.packed_choice(row.prompt_len, &choice.candidates.iter().map(Vec::len).collect::<Vec<_>>())

@@ -28,3 +28,4 @@ mod quantized;
 mod run_reliability;
 mod smollm2_configs;
 mod train_run;
+mod width_padding;
