@@ -3,7 +3,7 @@
 //! q,k,v,o, as a rollout decodes), a 1 x 128 prefill, a LoRA training step's forward,
 //! backward and AdamW (r8 on q,k,v,o, 8 x 128 tokens, as `benches/adapters.rs` times it), an
 //! iteration's update of 16 rows over two agents' adapters (`Scorer::gradients`; with
-//! `update-shapes`, ten such micro-batches of random lengths, with the kernels each compiles when
+//! `update-shapes`, eight such micro-batches of random lengths, with the kernels each compiles when
 //! `CUBECL_DEBUG_LOG` names a file), and a mixed-adapter forward of 32 x 64 rows over 1 and 8 adapters. Each workload runs once to
 //! compile its kernels, then once counted. Counts, not times: they are the same on any cubecl
 //! device, so a machine without a GPU counts them through wgpu on Mesa's lavapipe:
@@ -254,7 +254,7 @@ mod counts {
                 report("update: one micro-batch of 16 rows, forward and backward", &pass(&batch), 1.0);
             }
             if want("update-shapes") {
-                // Ten micro-batches of random lengths, as an iteration's differ: the kernels each
+                // Eight micro-batches of random lengths, as an iteration's differ: the kernels each
                 // compiles anew, counted from cubecl's compilation log when `CUBECL_DEBUG_LOG`
                 // names a file (written by cubecl's logging thread, so read after a pause).
                 let compiled = || {
@@ -263,7 +263,7 @@ mod counts {
                     Some(log.matches("[START_KERNEL_COMPILATION]").count())
                 };
                 let mut shapes = ChaCha8Rng::seed_from_u64(1);
-                for _ in 0..10 {
+                for _ in 0..8 {
                     let (prompt, reply) = (shapes.random_range(60..160usize), shapes.random_range(12..48usize));
                     let batch = batch(&mut rng, prompt, reply);
                     let before = compiled();

@@ -6,20 +6,14 @@ use crate::common;
 
 use std::collections::BTreeMap;
 
-use burn::tensor::{Tensor, TensorData};
-use troupe::adapters::optim::{adapter_grads, AdapterGrads};
+use troupe::adapters::optim::AdapterGrads;
 use troupe::adapters::MultiAdapterManager;
 use troupe::generate::prefix::SharedPrefixes;
 use troupe::generate::{completion_logprobs, generate_rows, GenerateOptions, SamplingConfig, ScoringBatch};
 use troupe::model::{Model, ProjectionDelta};
 
 fn setup() -> (Model, MultiAdapterManager) {
-    let device = common::test_device();
-    let dir = common::models_dir().join("tiny-qwen3");
-    let model = common::load_f32(&dir);
-    let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
-    manager.load_adapters(&dir.join("adapters")).unwrap();
-    (model, manager)
+    common::tiny_qwen3_with_adapters()
 }
 
 fn encode(model: &Model, text: &str) -> Vec<u32> {
@@ -66,31 +60,6 @@ fn rows_sharing_a_prompt_generate_what_each_generates_alone() {
     }
 }
 
-/// The rows' reply log-probs in one batch, and the gradients of `sum(weights[row] x logprobs)`.
-fn scored(
-    model: &Model,
-    manager: &MultiAdapterManager,
-    rows: &[Vec<u32>],
-    from: &[usize],
-    agents: &[Option<usize>],
-    weights: &[f32],
-) -> (Vec<Vec<f32>>, BTreeMap<String, AdapterGrads>) {
-    let (delta, used) = manager.mixed(agents, true).unwrap();
-    let batch = ScoringBatch::new(&model.lm, rows).unwrap();
-    let logprobs = completion_logprobs(&model.lm, &batch, from, Some(&delta)).unwrap();
-    let [n, width] = logprobs.dims();
-    let values = logprobs.clone().into_data().try_into_vec::<f32>().unwrap();
-    let host = (0..n).map(|r| values[r * width..r * width + rows[r].len() - from[r]].to_vec()).collect();
-    let weights = Tensor::<2>::from_data(
-        TensorData::new(weights.iter().flat_map(|&w| vec![w; width]).collect::<Vec<_>>(), [n, width]),
-        model.lm.device(),
-    );
-    let grads = (logprobs * weights).sum().backward();
-    let grads =
-        used.iter().filter_map(|(name, adapter)| adapter_grads(adapter, &grads).map(|g| (name.clone(), g))).collect();
-    (host, grads)
-}
-
 #[test]
 fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
     let (model, manager) = setup();
@@ -99,24 +68,22 @@ fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
     let replies = ["Play card 0.", "Discard card 3 now, then hint.", "Pass.", "Play card 2 please."];
     let prompts = [&p, &p, &q, &p, &q];
     let agents = [Some(0), Some(0), Some(1), Some(1), Some(1)];
-    let rows: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(replies.iter().cycle())
-        .map(|(prompt, reply)| {
-            let mut row = (*prompt).clone();
-            row.extend(encode(&model, reply));
-            row
-        })
-        .collect();
+    let rows = common::prompted_rows(&model, &prompts, &replies);
     let from: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
     let weights = [1.0, -0.5, 2.0, 0.75, -1.5];
-    let (batched, grads) = scored(&model, &manager, &rows, &from, &agents, &weights);
+    let (batched, grads) = common::scored_replies(&model.lm, &manager, &rows, &from, &agents, &weights);
 
     // The same without sharing: each row alone, gradients summed per adapter.
     let mut summed: BTreeMap<String, AdapterGrads> = BTreeMap::new();
     for row in 0..rows.len() {
-        let (alone, own) =
-            scored(&model, &manager, &rows[row..=row], &from[row..=row], &agents[row..=row], &weights[row..=row]);
+        let (alone, own) = common::scored_replies(
+            &model.lm,
+            &manager,
+            &rows[row..=row],
+            &from[row..=row],
+            &agents[row..=row],
+            &weights[row..=row],
+        );
         let diff = common::max_abs_diff(&alone[0], &batched[row]);
         assert!(
             diff < common::tolerance(1e-5),
@@ -132,15 +99,7 @@ fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
     }
     assert_eq!(grads.keys().collect::<Vec<_>>(), summed.keys().collect::<Vec<_>>());
     for (name, sites) in &grads {
-        let mut scale = 0.0f32;
-        let mut diff = 0.0f32;
-        for (site, (a, b)) in sites {
-            let (ea, eb) = &summed[name][site];
-            scale = scale.max(ea.clone().abs().max().into_scalar()).max(eb.clone().abs().max().into_scalar());
-            diff = diff
-                .max((a.clone() - ea.clone()).abs().max().into_scalar())
-                .max((b.clone() - eb.clone()).abs().max().into_scalar());
-        }
+        let (diff, scale) = common::grad_diff(sites, &summed[name]);
         assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
         assert!(
             diff < common::tolerance(1e-5) * scale.max(1.0),

@@ -280,3 +280,73 @@ pub fn tiny_hanabi_config(dir: &Path, run_dir: &Path, iterations: usize, format_
     std::fs::write(&path, text).expect("write config");
     path
 }
+
+/// The `tiny-qwen3` fixture on [`test_device`] in float32 with its two PEFT adapters.
+pub fn tiny_qwen3_with_adapters() -> (troupe::model::Model, troupe::adapters::MultiAdapterManager) {
+    let dir = models_dir().join("tiny-qwen3");
+    let model = load_f32(&dir);
+    let mut manager = troupe::adapters::MultiAdapterManager::new(&model.lm.config, &test_device());
+    manager.load_adapters(&dir.join("adapters")).unwrap();
+    (model, manager)
+}
+
+/// Each prompt followed by a reply, the replies taken in turn (cycled).
+pub fn prompted_rows(model: &troupe::model::Model, prompts: &[&Vec<u32>], replies: &[&str]) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .zip(replies.iter().cycle())
+        .map(|(prompt, reply)| {
+            let mut row = (*prompt).clone();
+            row.extend(model.tokenizer.encode(reply).unwrap());
+            row
+        })
+        .collect()
+}
+
+/// The largest difference between two adapters' gradients (the same sites), and the larger
+/// magnitude in either.
+pub fn grad_diff(a: &troupe::adapters::optim::AdapterGrads, b: &troupe::adapters::optim::AdapterGrads) -> (f32, f32) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>(), "the same sites");
+    let (mut diff, mut scale) = (0.0f32, 0.0f32);
+    for (site, (ga, gb)) in a {
+        let (ha, hb) = &b[site];
+        scale = scale.max(ga.clone().abs().max().into_scalar()).max(gb.clone().abs().max().into_scalar());
+        scale = scale.max(ha.clone().abs().max().into_scalar()).max(hb.clone().abs().max().into_scalar());
+        diff = diff
+            .max((ga.clone() - ha.clone()).abs().max().into_scalar())
+            .max((gb.clone() - hb.clone()).abs().max().into_scalar());
+    }
+    (diff, scale)
+}
+
+/// Each row's reply log-probs (`completion_logprobs` from `from[row]`, on `agents[row]`'s adapter,
+/// one batch), and the adapters' gradients of `sum(weights[row] x logprobs)`.
+pub fn scored_replies(
+    lm: &troupe::model::CausalLm,
+    manager: &troupe::adapters::MultiAdapterManager,
+    rows: &[Vec<u32>],
+    from: &[usize],
+    agents: &[Option<usize>],
+    weights: &[f32],
+) -> (Vec<Vec<f32>>, std::collections::BTreeMap<String, troupe::adapters::optim::AdapterGrads>) {
+    use burn::tensor::{Tensor, TensorData};
+    let (delta, used) = manager.mixed(agents, true).unwrap();
+    let batch = troupe::generate::ScoringBatch::new(lm, rows).unwrap();
+    let logprobs = troupe::generate::completion_logprobs(lm, &batch, from, Some(&delta)).unwrap();
+    let [n, width] = logprobs.dims();
+    assert_eq!(width, rows.iter().zip(from).map(|(r, f)| r.len() - f).max().unwrap(), "the longest reply's width");
+    let values = logprobs.clone().into_data().try_into_vec::<f32>().unwrap();
+    let host = (0..n).map(|r| values[r * width..r * width + rows[r].len() - from[r]].to_vec()).collect();
+    let weights = Tensor::<2>::from_data(
+        TensorData::new(weights.iter().flat_map(|&w| vec![w; width]).collect::<Vec<_>>(), [n, width]),
+        lm.device(),
+    );
+    let grads = (logprobs * weights).sum().backward();
+    let grads = used
+        .iter()
+        .filter_map(|(name, adapter)| {
+            troupe::adapters::optim::adapter_grads(adapter, &grads).map(|g| (name.clone(), g))
+        })
+        .collect();
+    (host, grads)
+}
