@@ -15,8 +15,8 @@
 //!
 //! (`TROUPE_DEVICE=cuda` and `--features cuda` on an NVIDIA GPU; `TROUPE_DTYPE` as for the
 //! benchmarks; `TROUPE_GPU_KERNELS=burn` counts burn's composites in place of troupe's GPU
-//! kernels; `KERNEL_COUNTS_WIDTH_STEP=1` pads batches only to their longest row, as the CPU does,
-//! in place of the GPU's multiple of 8 slots.)
+//! kernels; `TROUPE_WIDTH_STEP=1` pads batches only to their longest row, as the CPU does, in
+//! place of the GPU's multiple of 8 slots.)
 #![allow(missing_docs)]
 
 #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
@@ -103,10 +103,7 @@ mod counts {
         let named = |w: &str| what.iter().any(|x| x == w);
         // Every workload but `update-shapes` when none is named.
         let want = |w: &str| named(w) || (what.is_empty() && w != "update-shapes");
-        let mut model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
-        if let Ok(step) = std::env::var("KERNEL_COUNTS_WIDTH_STEP") {
-            model.lm = model.lm.clone().with_width_step(step.parse().expect("KERNEL_COUNTS_WIDTH_STEP: a count"));
-        }
+        let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
         let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
         let rows = |rng: &mut ChaCha8Rng, b: usize, l: usize| -> Vec<Vec<u32>> {

@@ -162,6 +162,23 @@ pub fn fused_gpu_kernels() -> Result<bool> {
     }
 }
 
+/// The multiple of slots a batch's rows are padded to on a GPU (`CausalLm::width_step`):
+/// `TROUPE_WIDTH_STEP` (a positive count; 1 pads only to the longest row, as the CPU does, to
+/// compare the two on one GPU) if set, else [`crate::model::GPU_WIDTH_STEP`].
+pub fn gpu_width_step() -> Result<usize> {
+    parse_width_step(std::env::var("TROUPE_WIDTH_STEP").ok().as_deref())
+}
+
+fn parse_width_step(value: Option<&str>) -> Result<usize> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(crate::model::GPU_WIDTH_STEP),
+        Some(text) => match text.parse::<usize>() {
+            Ok(step) if step >= 1 => Ok(step),
+            _ => Err(TroupeError::invalid("TROUPE_WIDTH_STEP", format!("{text:?} is not a positive count of slots"))),
+        },
+    }
+}
+
 /// The model presets a benchmark runs at: `TROUPE_BENCH_PRESETS` (preset names separated by
 /// commas, e.g. `small,qwen3-0.6b`) if set, else `default`.
 pub fn bench_presets(default: &[crate::model::Preset]) -> Result<Vec<crate::model::Preset>> {
@@ -219,6 +236,18 @@ pub fn tune_allocator() {
 mod tests {
     use super::*;
     use crate::model::Preset;
+
+    #[test]
+    fn the_gpu_width_step_reads_a_positive_count_and_refuses_the_rest() {
+        assert_eq!(parse_width_step(None).unwrap(), crate::model::GPU_WIDTH_STEP);
+        assert_eq!(parse_width_step(Some("")).unwrap(), crate::model::GPU_WIDTH_STEP);
+        assert_eq!(parse_width_step(Some("1")).unwrap(), 1);
+        assert_eq!(parse_width_step(Some(" 16 ")).unwrap(), 16);
+        for bad in ["0", "-8", "eight", "8.5"] {
+            let err = parse_width_step(Some(bad)).unwrap_err().to_string();
+            assert!(err.contains("TROUPE_WIDTH_STEP") && err.contains(&format!("{bad:?}")), "{err}");
+        }
+    }
 
     #[test]
     fn bench_presets_read_by_their_cli_names() {

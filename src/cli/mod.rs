@@ -87,7 +87,8 @@ pub fn main_with(registry: Registry) -> std::process::ExitCode {
         }
     };
     // Checked here, before any work, so that a misspelt value stops with one line.
-    let result = crate::device::fused_gpu_kernels().map_err(Into::into).and_then(|_| match cli.command {
+    let checked = crate::device::fused_gpu_kernels().and_then(|_| crate::device::gpu_width_step());
+    let result = checked.map_err(Into::into).and_then(|_| match cli.command {
         Command::InitModel(args) => model::init_model(args),
         Command::Logprobs(args) => device().map_err(Into::into).and_then(|d| model::logprobs(args, &d)),
         Command::Generate(args) => device().map_err(Into::into).and_then(|d| model::generate_text(args, &d)),

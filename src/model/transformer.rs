@@ -652,7 +652,7 @@ impl CausalLm {
             _ => Some(super::fingerprint::source_fingerprint(&config, source)?),
         };
         // On the CPU nothing is compiled: rows are padded only to the longest.
-        let width_step = if *device == Device::flex() { 1 } else { GPU_WIDTH_STEP };
+        let width_step = if *device == Device::flex() { 1 } else { crate::device::gpu_width_step()? };
         Ok(Self {
             config,
             embed_tokens,
@@ -728,8 +728,8 @@ impl CausalLm {
         &self.device
     }
 
-    /// The multiple of slots a batch's rows are padded to ([`GPU_WIDTH_STEP`] on a GPU, 1 on
-    /// the CPU): scoring, generation and packed decisions pad their rows to the longest row's
+    /// The multiple of slots a batch's rows are padded to ([`GPU_WIDTH_STEP`] on a GPU unless
+    /// `TROUPE_WIDTH_STEP` says otherwise, 1 on the CPU): scoring, generation and packed decisions pad their rows to the longest row's
     /// width rounded up to it. The results do not depend on it (padding is masked).
     pub fn width_step(&self) -> usize {
         self.width_step

@@ -199,6 +199,21 @@ fn an_unknown_gpu_kernels_choice_is_one_clear_line_before_any_work() {
 }
 
 #[test]
+fn a_bad_gpu_width_step_is_one_clear_line_before_any_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 1, true);
+    let out = Command::new(env!("CARGO_BIN_EXE_troupe"))
+        .args(["train", "--config", config.to_str().unwrap()])
+        .env("RUST_LOG", "warn")
+        .env("TROUPE_WIDTH_STEP", "0")
+        .output()
+        .unwrap();
+    let line = error_line(&out);
+    assert!(line.contains("TROUPE_WIDTH_STEP") && line.contains("\"0\"") && line.contains("positive"), "{line}");
+    assert!(!tmp.path().join("run").exists());
+}
+
+#[test]
 fn print_config_shows_every_default_and_trains_nothing() {
     let dir = tempfile::tempdir().unwrap();
     // An older config: `training.micro_batch_rows` has moved to `runtime:`.
