@@ -81,10 +81,10 @@ pub fn decode_room(prompt_width: usize, max_new_tokens: usize) -> usize {
     (prompt_width + max_new_tokens.clamp(1, RESERVED_NEW_TOKENS)).next_multiple_of(KV_ROOM_STEP)
 }
 
-/// Pads rows on the left with `pad` to the longest row's length, rounded up to a multiple of
-/// `step` ([`CausalLm::width_step`]). Returns the padded rows and each slot's validity.
-fn left_pad(rows: &[Vec<u32>], pad: u32, step: usize) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
-    let width = rows.iter().map(Vec::len).max().unwrap_or(0).next_multiple_of(step);
+/// Pads rows on the left with `pad` to the width `lm` pads the longest row to
+/// ([`CausalLm::padded_width`]). Returns the padded rows and each slot's validity.
+fn left_pad(lm: &CausalLm, rows: &[Vec<u32>], pad: u32) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
+    let width = lm.padded_width(rows.iter().map(Vec::len).max().unwrap_or(0));
     rows.iter()
         .map(|row| {
             let n = width - row.len();
@@ -97,10 +97,10 @@ fn left_pad(rows: &[Vec<u32>], pad: u32, step: usize) -> (Vec<Vec<u32>>, Vec<Vec
         .unzip()
 }
 
-/// Pads rows on the right with `pad` to the longest row's length, rounded up to a multiple of
-/// `step` ([`CausalLm::width_step`]). Returns the padded rows and each slot's validity.
-fn right_pad<R: AsRef<[u32]>>(rows: &[R], pad: u32, step: usize) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
-    let width = rows.iter().map(|r| r.as_ref().len()).max().unwrap_or(0).next_multiple_of(step);
+/// Pads rows on the right with `pad` to the width `lm` pads the longest row to
+/// ([`CausalLm::padded_width`]). Returns the padded rows and each slot's validity.
+fn right_pad<R: AsRef<[u32]>>(lm: &CausalLm, rows: &[R], pad: u32) -> (Vec<Vec<u32>>, Vec<Vec<bool>>) {
+    let width = lm.padded_width(rows.iter().map(|r| r.as_ref().len()).max().unwrap_or(0));
     rows.iter()
         .map(|row| {
             let row = row.as_ref();
@@ -292,7 +292,7 @@ pub fn generate_rows(
     } else {
         row_seeds.iter().map(|&seed| ChaCha8Rng::seed_from_u64(seed)).collect()
     };
-    let (padded, valid) = left_pad(prompts, 0, lm.width_step());
+    let (padded, valid) = left_pad(lm, prompts, 0);
     let mut outputs: Vec<Generation> =
         vec![
             Generation { output_ids: Vec::new(), logprobs: Vec::new(), finished_by_eos: false, sequence: None };
@@ -442,7 +442,7 @@ impl ScoringBatch {
         if rows.is_empty() || rows.iter().any(|r| r.len() < 2) {
             return Err(TroupeError::invalid("rows", "scoring needs at least two tokens per row"));
         }
-        let (padded, valid) = right_pad(rows, 0, lm.width_step());
+        let (padded, valid) = right_pad(lm, rows, 0);
         Ok(Self {
             tokens: lm.token_tensor(&padded)?,
             host_tokens: padded.concat(),
@@ -535,12 +535,12 @@ pub fn checkpointed_completion_loss(
     if let Some(share) = SharedPrefixes::find(&prefixes, delta) {
         // As `shared_completion_logprobs`: the prefixes, then every row's suffix after them.
         let prefixes: Vec<&[u32]> = share.unique.iter().map(|&r| &row_tokens[r][..from[r] - 1]).collect();
-        let (prefix_tokens, prefix_valid) = right_pad(&prefixes, 0, lm.width_step());
+        let (prefix_tokens, prefix_valid) = right_pad(lm, &prefixes, 0);
         let prefix_layout = SequenceLayout::new(share.unique.len()).step(&prefix_valid, &device);
         let mut layout = SequenceLayout::new(rows);
         layout.extend(&share.group_of_row.iter().map(|&g| prefix_valid[g].clone()).collect::<Vec<_>>());
         let suffixes: Vec<&[u32]> = row_tokens.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect();
-        let (suffix_tokens, suffix_valid) = right_pad(&suffixes, 0, lm.width_step());
+        let (suffix_tokens, suffix_valid) = right_pad(lm, &suffixes, 0);
         let attention = layout.step(&suffix_valid, &device);
         let streams = [
             Stream {
@@ -584,7 +584,7 @@ fn shared_completion_logprobs(
     let device = lm.device().clone();
     // Both parts right-padded: every query then sees at least its row's first token.
     let prefixes: Vec<&[u32]> = share.unique.iter().map(|&r| &rows[r][..from[r] - 1]).collect();
-    let (prefix_tokens, prefix_valid) = right_pad(&prefixes, 0, lm.width_step());
+    let (prefix_tokens, prefix_valid) = right_pad(lm, &prefixes, 0);
     let mut cache = KvCache::new(lm.config.num_hidden_layers);
     let prefix_layout = SequenceLayout::new(share.unique.len()).step(&prefix_valid, &device);
     lm.fill_cache(
@@ -595,7 +595,7 @@ fn shared_completion_logprobs(
     let mut layout = SequenceLayout::new(rows.len());
     layout.extend(&share.group_of_row.iter().map(|&g| prefix_valid[g].clone()).collect::<Vec<_>>());
     let suffixes: Vec<&[u32]> = rows.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect();
-    let (suffix_tokens, suffix_valid) = right_pad(&suffixes, 0, lm.width_step());
+    let (suffix_tokens, suffix_valid) = right_pad(lm, &suffixes, 0);
     let attention = layout.step(&suffix_valid, &device);
     let hidden = lm.hidden_states(
         lm.token_tensor(&suffix_tokens)?,
@@ -711,7 +711,7 @@ mod tests {
         // and log-probs, bit for bit on the CPU.
         let (model, prompts) = tiny();
         let lm = &model.lm;
-        let (padded, valid) = left_pad(&prompts, 0, 1);
+        let (padded, valid) = left_pad(lm, &prompts, 0);
         let new_tokens = 5;
         let decode = |room: usize| -> Vec<Vec<f32>> {
             let mut cache = KvCache::with_capacity(lm.config.num_hidden_layers, room);

@@ -183,34 +183,31 @@ fn profile_kernels_without_a_gpu_build_is_one_clear_line() {
     assert!(!tmp.path().join("run").exists());
 }
 
-#[test]
-fn an_unknown_gpu_kernels_choice_is_one_clear_line_before_any_work() {
+/// The error line of `troupe train` on a one-iteration run with `key=value` in its environment,
+/// after checking that the run directory was not made.
+fn train_error_with_env(key: &str, value: &str) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 1, true);
     let out = Command::new(env!("CARGO_BIN_EXE_troupe"))
         .args(["train", "--config", config.to_str().unwrap()])
         .env("RUST_LOG", "warn")
-        .env("TROUPE_GPU_KERNELS", "cubecl")
+        .env(key, value)
         .output()
         .unwrap();
-    let line = error_line(&out);
+    assert!(!tmp.path().join("run").exists(), "{key}={value}: no run directory");
+    error_line(&out)
+}
+
+#[test]
+fn an_unknown_gpu_kernels_choice_is_one_clear_line_before_any_work() {
+    let line = train_error_with_env("TROUPE_GPU_KERNELS", "cubecl");
     assert!(line.contains("TROUPE_GPU_KERNELS") && line.contains("\"cubecl\"") && line.contains("burn"), "{line}");
-    assert!(!tmp.path().join("run").exists());
 }
 
 #[test]
 fn a_bad_gpu_width_step_is_one_clear_line_before_any_work() {
-    let tmp = tempfile::tempdir().unwrap();
-    let config = common::tiny_hanabi_config(tmp.path(), &tmp.path().join("run"), 1, true);
-    let out = Command::new(env!("CARGO_BIN_EXE_troupe"))
-        .args(["train", "--config", config.to_str().unwrap()])
-        .env("RUST_LOG", "warn")
-        .env("TROUPE_WIDTH_STEP", "0")
-        .output()
-        .unwrap();
-    let line = error_line(&out);
+    let line = train_error_with_env("TROUPE_WIDTH_STEP", "0");
     assert!(line.contains("TROUPE_WIDTH_STEP") && line.contains("\"0\"") && line.contains("positive"), "{line}");
-    assert!(!tmp.path().join("run").exists());
 }
 
 #[test]
