@@ -241,6 +241,11 @@ def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=No
             "phase_s": [{k[len("seconds_"):]: v for k, v in e.items() if k.startswith("seconds_")} for e in extras],
             "phase_gflop": [{k[len("gflop_"):]: v for k, v in e.items()
                              if k.startswith("gflop_") and not k.startswith("gflop_per_second_")} for e in extras],
+            # On a GPU, the device memory each phase kept at its boundaries (MiB in use, from the
+            # allocator) and the allocator's reservation (`reserved`), per iteration.
+            "phase_memory_mib": [{**{k[len("memory_mib_"):]: v for k, v in e.items() if k.startswith("memory_mib_")},
+                                  **({"reserved": e["memory_reserved_mib"]} if "memory_reserved_mib" in e else {})}
+                                 for e in extras],
             "rollout_tok_s": [l.get("tokens_per_second") for l in lines]}
 
 

@@ -107,3 +107,20 @@ def test_gpu_figures_kernel_profile_run_passes_the_flag_and_reads_kernels_json(m
     assert "--profile-kernels" not in seen[0] and plain["kernels"] is None
     assert "--profile-kernels" in seen[1]
     assert profiled["kernels"]["phases"]["decode"]["k"]["launches"] == 3
+
+
+def test_gpu_figures_iteration_reads_each_phases_device_memory(monkeypatch, tmp_path):
+    def run_peak(cmd, device, env=None, log=None):
+        out_dir = next(c.split("=", 1)[1] for c in cmd if c.startswith("run.out_dir="))
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+            for extra in ({"memory_mib_decode": 300.0, "memory_mib_backward": 900.0, "memory_reserved_mib": 2000.0},
+                          {}):
+                f.write(json.dumps({"seconds": 2.0, "extra": extra}) + "\n")
+        return "", 100.0
+
+    monkeypatch.setattr(gpu_figures, "run_peak", run_peak)
+    args = gpu_figures.argparse.Namespace(device="cpu", dtype="f32", reward_python="python3", iterations=2,
+                                          groups=1, group_size=2, new_tokens=8, troupe="troupe")
+    got = gpu_figures.troupe_iteration(args, "m", str(tmp_path), "a")
+    assert got["phase_memory_mib"] == [{"decode": 300.0, "backward": 900.0, "reserved": 2000.0}, {}]

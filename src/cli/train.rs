@@ -42,7 +42,8 @@ pub struct TrainArgs {
     pub quantized: bool,
     /// After the run, print on stderr a table of seconds per phase per iteration (rollout
     /// prefill and decode, environments, credit, update forward and backward, optimizer,
-    /// evaluation, checkpoint); the same figures are `seconds_*` keys of `metrics.jsonl`.
+    /// evaluation, checkpoint); the same figures are `seconds_*` keys of `metrics.jsonl`. On a
+    /// GPU, a second table of the device memory each phase kept (`memory_mib_*` keys).
     #[arg(long)]
     pub profile: bool,
     /// On a GPU (a `--features cuda` build): count the kernels each phase launches and time
@@ -256,11 +257,26 @@ struct ProfileRow {
     /// In table order: prefill, decode, env, credit, forward, backward, optimizer, eval,
     /// checkpoint, other, total.
     seconds: [f64; 11],
+    /// On a GPU, MiB in table order: what prefill, decode, credit, forward, backward and
+    /// optimizer kept at their boundaries, and the allocator's reservation.
+    memory: Option<[f64; 7]>,
 }
 
 /// The `--profile` table's column headers, in [`ProfileRow::seconds`] order.
 const PROFILE_COLUMNS: [&str; 11] =
     ["prefill", "decode", "env", "credit", "forward", "backward", "optimizer", "eval", "checkpoint", "other", "total"];
+
+/// The memory table's column headers, in [`ProfileRow::memory`] order, and the metrics keys
+/// they read.
+const MEMORY_COLUMNS: [(&str, &str); 7] = [
+    ("prefill", "memory_mib_prefill"),
+    ("decode", "memory_mib_decode"),
+    ("credit", "memory_mib_credit"),
+    ("forward", "memory_mib_update_forward"),
+    ("backward", "memory_mib_backward"),
+    ("optimizer", "memory_mib_optimizer"),
+    ("reserved", "memory_reserved_mib"),
+];
 
 impl ProfileRow {
     /// The row of one metrics line and the checkpoint written after it. `env` is the rollout
@@ -286,7 +302,11 @@ impl ProfileRow {
             total,
         ];
         seconds[9] = (total - seconds[..9].iter().sum::<f64>()).max(0.0);
-        Self { iteration: metrics.iteration, seconds }
+        let memory = metrics
+            .extra
+            .contains_key("memory_reserved_mib")
+            .then(|| MEMORY_COLUMNS.map(|(_, key)| metrics.extra.get(key).copied().unwrap_or(0.0)));
+        Self { iteration: metrics.iteration, seconds, memory }
     }
 }
 
@@ -317,6 +337,30 @@ fn profile_table(rows: &[ProfileRow]) -> String {
         }
         line("mean".to_string(), &mean);
     }
+    let memory: Vec<(u64, [f64; 7])> = rows.iter().filter_map(|r| r.memory.map(|m| (r.iteration, m))).collect();
+    if !memory.is_empty() {
+        out +=
+            "device memory per phase and iteration, MiB: in use at the phase's boundaries; reserved by the allocator\n";
+        out += &format!("{:>9}", "iteration");
+        for (column, _) in MEMORY_COLUMNS {
+            out += &format!(" {column:>10}");
+        }
+        out.push('\n');
+        let mut peak = [0.0f64; 7];
+        for (iteration, mib) in &memory {
+            out += &format!("{iteration:>9}");
+            for (p, m) in peak.iter_mut().zip(mib) {
+                out += &format!(" {m:>10.0}");
+                *p = p.max(*m);
+            }
+            out.push('\n');
+        }
+        out += &format!("{:>9}", "peak");
+        for p in peak {
+            out += &format!(" {p:>10.0}");
+        }
+        out.push('\n');
+    }
     out
 }
 
@@ -340,5 +384,23 @@ mod tests {
         let table = profile_table(&[row.clone(), row]);
         assert!(table.lines().nth(1).unwrap().contains("prefill"), "{table}");
         assert!(table.lines().last().unwrap().trim_start().starts_with("mean"), "{table}");
+        assert!(!table.contains("memory"), "the CPU has no device memory to show: {table}");
+    }
+
+    #[test]
+    fn on_a_gpu_the_profile_shows_each_phases_memory_and_its_peak() {
+        let line = |iteration, decode, reserved| {
+            let mut metrics = IterationMetrics { iteration, seconds: 1.0, ..IterationMetrics::default() };
+            metrics.extra.insert("memory_mib_decode".into(), decode);
+            metrics.extra.insert("memory_mib_backward".into(), 900.0);
+            metrics.extra.insert("memory_reserved_mib".into(), reserved);
+            ProfileRow::new(&metrics, 0.0)
+        };
+        let rows = [line(1, 300.0, 2000.0), line(2, 400.0, 1500.0)];
+        assert_eq!(rows[0].memory, Some([0.0, 300.0, 0.0, 0.0, 900.0, 0.0, 2000.0]));
+        let table = profile_table(&rows);
+        let peak = table.lines().last().unwrap();
+        let figures: Vec<&str> = peak.split_whitespace().collect();
+        assert_eq!(figures, ["peak", "0", "400", "0", "0", "900", "0", "2000"], "{table}");
     }
 }

@@ -14,6 +14,7 @@ use std::cell::Cell;
 use std::time::Instant;
 
 pub mod kernels;
+pub mod memory;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 pub mod observer;
 
@@ -53,9 +54,11 @@ thread_local! {
 }
 
 /// Adds the time since `started` to `phase` (and the kernels this thread launched since the
-/// last phase closed, when they are being counted: [`kernels`]).
+/// last phase closed, when they are being counted: [`kernels`]; and the device's memory now,
+/// when it is watched: [`memory`]).
 pub fn since(phase: Phase, started: Instant) {
     kernels::close(phase.name());
+    memory::mark(phase.name());
     let seconds = started.elapsed().as_secs_f64();
     SECONDS.with(|s| {
         let mut v = s.get();

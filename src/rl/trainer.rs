@@ -73,6 +73,9 @@ pub struct IterationStats {
     pub phase_seconds: BTreeMap<String, f64>,
     /// Useful floating-point work of the `rollout` and `update` phases ([`super::flops`]).
     pub phase_flops: BTreeMap<String, f64>,
+    /// On a GPU, the most device memory each phase kept at its boundaries, and the allocator's
+    /// reservation then ([`crate::profile::memory`]); empty on the CPU.
+    pub phase_memory: BTreeMap<String, crate::profile::memory::DeviceMemory>,
     /// The mean over episodes of every metric the environment reports.
     pub env_metrics: BTreeMap<String, f64>,
     /// In `choice` mode, the policy's mean entropy (nats) over the decisions.
@@ -264,6 +267,8 @@ impl MagrpoTrainer {
     pub fn plan(&mut self) -> RolloutPlan {
         // The iteration's phase timers start here (what ran before, a warm-up, is not counted).
         crate::profile::take();
+        crate::profile::memory::take();
+        crate::profile::memory::watch(self.model.lm.device());
         // Kernels launched since the last iteration's phases (evaluation and checkpoints are
         // claimed by their own) are `other`'s; the device has run them by now, or will.
         crate::profile::kernels::close("other");
@@ -418,6 +423,7 @@ impl MagrpoTrainer {
         }
         let credit_seconds = credit_started.elapsed().as_secs_f64();
         crate::profile::kernels::close("credit");
+        crate::profile::memory::mark("credit");
 
         let lr = self.learning_rate(iteration);
         let place = format!("iteration {iteration}");
@@ -437,11 +443,13 @@ impl MagrpoTrainer {
                 self.optimizers.step(&mut self.manager, pass.grads, lr).map_err(|e| label_non_finite(e, &place))?;
             optimizer_seconds += optimizer_started.elapsed().as_secs_f64();
             crate::profile::kernels::close("optimizer");
+            crate::profile::memory::mark("optimizer");
             first.get_or_insert((pass.loss, grad_norm, pass.stats));
         }
         let (loss, grad_norm, first_stats) = first.expect("at least one epoch");
         self.iteration = iteration;
         let timed = crate::profile::take();
+        let phase_memory = crate::profile::memory::take().into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         Ok(IterationStats {
             iteration,
             mean_return: credit.mean_return,
@@ -469,6 +477,7 @@ impl MagrpoTrainer {
             phase_flops: [("rollout".to_string(), rollout.flops), ("update".to_string(), update_flops)]
                 .into_iter()
                 .collect(),
+            phase_memory,
             choice_entropy: rollout.choice_entropy,
             env_metrics: rollout.env_metrics,
             trl,

@@ -228,3 +228,32 @@ fn a_run_starts_from_an_earlier_runs_adapters_and_refuses_ones_of_another_shape(
     let err = try_start(config(&tmp.path().join("refused"), 1, 1, &[&set])).err().unwrap().to_string();
     assert!(err.contains("agents.init_adapters") && err.contains("no such directory"), "{err}");
 }
+
+/// On a GPU every iteration's metrics hold the device memory each phase kept, read from the
+/// allocator: at least the base's weights whenever the run holds them, the decoding phase's
+/// cache on top, and a reservation covering all of it; on the CPU there is no allocator to read.
+#[test]
+fn a_gpu_runs_metrics_hold_each_phases_device_memory_and_a_cpu_runs_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut run = start(config(&dir.path().join("run"), 2, 10, &[]));
+    let weights = run.trainer.model.lm.weight_bytes() as f64 / (1024.0 * 1024.0);
+    finish(&mut run);
+    let gpu = troupe::profile::memory::read(&common::test_device()).is_some();
+    for line in metrics(&dir.path().join("run")) {
+        let memory: Vec<(&String, &f64)> = line.extra.iter().filter(|(k, _)| k.starts_with("memory_")).collect();
+        if !gpu {
+            assert!(memory.is_empty(), "the CPU has no device memory to report: {memory:?}");
+            continue;
+        }
+        let mib = |phase: &str| line.extra.get(&format!("memory_mib_{phase}")).copied();
+        let reserved = line.extra["memory_reserved_mib"];
+        let (decode, credit) = (mib("decode").unwrap(), mib("credit").unwrap());
+        assert!(credit >= weights && decode >= weights, "the weights ({weights} MiB) are held: {memory:?}");
+        for (key, value) in &memory {
+            assert!(reserved >= **value, "{key} exceeds the reservation: {memory:?}");
+        }
+        if let Some(forward) = mib("update_forward") {
+            assert!(forward >= credit, "the update's forward keeps its activations: {memory:?}");
+        }
+    }
+}

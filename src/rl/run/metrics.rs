@@ -93,6 +93,13 @@ impl From<&IterationStats> for IterationMetrics {
                 extra.insert(format!("gflop_per_second_{phase}"), flops / 1e9 / seconds);
             }
         }
+        const MIB: f64 = 1024.0 * 1024.0;
+        for (phase, memory) in &stats.phase_memory {
+            extra.insert(format!("memory_mib_{phase}"), memory.in_use as f64 / MIB);
+        }
+        if let Some(reserved) = stats.phase_memory.values().map(|m| m.reserved).max() {
+            extra.insert("memory_reserved_mib".to_string(), reserved as f64 / MIB);
+        }
         Self {
             iteration: stats.iteration,
             mean_return: stats.mean_return.clone(),
@@ -234,6 +241,7 @@ impl MetricsWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::profile::memory::DeviceMemory;
 
     fn record(iteration: u64) -> IterationMetrics {
         let per_agent = |base: f64| (0..2).map(|a| (a, base + a as f64)).collect();
@@ -301,6 +309,12 @@ mod tests {
             mean_episode_steps: 6.0,
             phase_seconds: [("rollout".to_string(), 1.0), ("update".to_string(), 0.5)].into_iter().collect(),
             phase_flops: [("rollout".to_string(), 4e9)].into_iter().collect(),
+            phase_memory: [
+                ("decode".to_string(), DeviceMemory { in_use: 3 << 20, reserved: 8 << 20 }),
+                ("backward".to_string(), DeviceMemory { in_use: 5 << 20, reserved: 6 << 20 }),
+            ]
+            .into_iter()
+            .collect(),
             env_metrics: [("score".to_string(), 3.5), ("plays".to_string(), 2.0)].into_iter().collect(),
             choice_entropy: Some(1.25),
             trl: [("frac_reward_zero_std".to_string(), 0.5)].into_iter().collect(),
@@ -317,8 +331,11 @@ mod tests {
         assert_eq!((line.extra["seconds_rollout"], line.extra["seconds_update"]), (1.0, 0.5));
         assert_eq!((line.extra["gflop_rollout"], line.extra["gflop_per_second_rollout"]), (4.0, 4.0));
         assert_eq!((line.extra["env_plays"], line.extra["choice_entropy"]), (2.0, 1.25));
-        let without_kl = IterationMetrics::from(&IterationStats { kl: None, ..stats });
-        assert!(!without_kl.extra.contains_key("kl"));
+        assert_eq!((line.extra["memory_mib_decode"], line.extra["memory_mib_backward"]), (3.0, 5.0));
+        assert_eq!(line.extra["memory_reserved_mib"], 8.0);
+        let on_the_cpu = IterationMetrics::from(&IterationStats { kl: None, phase_memory: BTreeMap::new(), ..stats });
+        assert!(!on_the_cpu.extra.contains_key("kl"));
+        assert!(!on_the_cpu.extra.keys().any(|k| k.starts_with("memory_")));
     }
 
     #[test]
