@@ -216,7 +216,7 @@ def troupe_kernels(args, criterion_dir, preset):
     return out
 
 
-def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None):
+def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None, env=None):
     out_dir = os.path.join(work, f"run{rep}")
     reward = f"[{{name: external, command: [{args.reward_python}, python/examples/length_reward.py], weight: 1.0}}]"
     sets = {"model.path": model_dir, "model.device": args.device, "model.dtype": args.dtype, "run.out_dir": out_dir,
@@ -226,7 +226,7 @@ def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=No
     cmd = [troupe or args.troupe, "train", "--config", "configs/writing_tldr.yaml", *flags]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
-    _, peak_mib = run_peak(cmd, args.device, log=subprocess.DEVNULL)
+    _, peak_mib = run_peak(cmd, args.device, env=env, log=subprocess.DEVNULL)
     lines = [json.loads(l) for l in open(os.path.join(out_dir, "metrics.jsonl"))]
     seconds = [l["seconds"] for l in lines]
     steady = seconds[1:] or seconds
@@ -309,6 +309,10 @@ def main():
                    help="after each --preset's iterations, one more troupe run of the same shape with "
                         "--profile-kernels (launches and device time per phase and kernel; a debug aid, "
                         "its seconds are not the timed figures)")
+    p.add_argument("--width-steps", default="",
+                   help="after each --preset's iterations, the same run once for each of these batch paddings "
+                        "(TROUPE_WIDTH_STEP: rows padded to a multiple of S slots; 1 pads to the longest), "
+                        "separated by commas, to compare with the default (8 on a GPU)")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -324,6 +328,12 @@ def main():
     kernels = args.attention_kernels.split(",")
     if "materialized" not in kernels or not set(kernels) <= {"materialized", "flash"}:
         sys.exit(f"error: --attention-kernels {args.attention_kernels}: materialized, or materialized,flash")
+    try:
+        width_steps = [int(step) for step in args.width_steps.split(",") if step.strip()]
+    except ValueError:
+        width_steps = [0]
+    if any(step < 1 for step in width_steps):
+        sys.exit(f"error: --width-steps {args.width_steps}: positive counts of slots separated by commas")
     if args.troupe_autotune and not os.access(args.troupe_autotune, os.X_OK):
         sys.exit(f"error: --troupe-autotune {args.troupe_autotune}: no such executable")
     if not os.access(args.troupe, os.X_OK):
@@ -383,6 +393,14 @@ def main():
             if args.kernel_profile:
                 profiled = troupe_iteration(args, model_dir, work, f"{preset}-kernels", flags=("--profile-kernels",))
                 result[f"kernel_profile_{preset}"] = profiled["kernels"]
+                write(args.out, result)
+            for step in width_steps:
+                # The same run with the rows of every batch padded to a multiple of `step` slots.
+                padded = troupe_iteration(args, model_dir, work, f"{preset}-width{step}",
+                                          env={"TROUPE_WIDTH_STEP": str(step)})
+                iteration[f"troupe_width_step_{step}"] = padded
+                iteration[f"troupe_width_step_{step}_s_over_troupe_s_per_iteration"] = [
+                    padded["s_per_iteration"] / ours["s_per_iteration"] for ours in iteration["troupe"]]
                 write(args.out, result)
             if args.troupe_autotune:
                 # The same run on the build with burn's autotune (`--features autotune`): its first

@@ -124,3 +124,34 @@ def test_gpu_figures_iteration_reads_each_phases_device_memory(monkeypatch, tmp_
                                           groups=1, group_size=2, new_tokens=8, troupe="troupe")
     got = gpu_figures.troupe_iteration(args, "m", str(tmp_path), "a")
     assert got["phase_memory_mib"] == [{"decode": 300.0, "backward": 900.0, "reserved": 2000.0}, {}]
+
+
+def test_gpu_figures_width_steps_rerun_the_iteration_with_each_padding(monkeypatch, tmp_path):
+    envs = []
+
+    def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None, env=None):
+        envs.append(env)
+        return {"s_per_iteration": 4.0 if env else 2.0, "update_gflop_per_s": [None]}
+
+    monkeypatch.setattr(gpu_figures, "troupe_iteration", troupe_iteration)
+    monkeypatch.setattr(gpu_figures, "trl_iteration", lambda args, model_dir: {"s_per_step": 1.0})
+    monkeypatch.setattr(gpu_figures, "gemm_tflops", lambda args: {"tflops": 1.0})
+    monkeypatch.setattr(gpu_figures, "run", lambda *a, **k: "")
+    monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
+    troupe = tmp_path / "troupe"
+    troupe.write_text("#!/bin/sh\n")
+    troupe.chmod(0o755)
+    out = tmp_path / "figures.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cpu", "--troupe", str(troupe), "--reps", "1",
+                                      "--skip-kernels", "--skip-memory", "--width-steps", "1,64", "--out", str(out)])
+    gpu_figures.main()
+    got = json.load(open(out))["iteration_qwen3-0.6b"]
+    assert envs == [None, {"TROUPE_WIDTH_STEP": "1"}, {"TROUPE_WIDTH_STEP": "64"}]
+    assert got["troupe_width_step_64_s_over_troupe_s_per_iteration"] == [2.0]
+
+
+def test_gpu_figures_refuses_width_steps_that_are_not_positive_counts(tmp_path):
+    got = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_figures.py"), "--device", "cpu",
+                          "--width-steps", "8,x", "--out", str(tmp_path / "f.json")],
+                         capture_output=True, text=True)
+    assert got.returncode != 0 and "--width-steps 8,x" in got.stderr, got.stderr
