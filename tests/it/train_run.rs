@@ -71,7 +71,8 @@ fn adapter_files(checkpoint: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     out
 }
 
-/// The metrics that must replay exactly (everything but wall-clock timings).
+/// The metrics that must replay exactly (everything but wall-clock timings and, on a GPU, the
+/// device memory, which follows the allocator's history in the process).
 fn replayable(metrics: &[IterationMetrics]) -> Vec<IterationMetrics> {
     metrics
         .iter()
@@ -79,7 +80,9 @@ fn replayable(metrics: &[IterationMetrics]) -> Vec<IterationMetrics> {
         .map(|mut m| {
             m.seconds = 0.0;
             m.tokens_per_second = 0.0;
-            m.extra.retain(|key, _| !key.starts_with("seconds_") && !key.starts_with("gflop_per_second_"));
+            m.extra.retain(|key, _| {
+                !key.starts_with("seconds_") && !key.starts_with("gflop_per_second_") && !key.starts_with("memory_")
+            });
             m
         })
         .collect()
