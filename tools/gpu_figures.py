@@ -328,12 +328,10 @@ def main():
     kernels = args.attention_kernels.split(",")
     if "materialized" not in kernels or not set(kernels) <= {"materialized", "flash"}:
         sys.exit(f"error: --attention-kernels {args.attention_kernels}: materialized, or materialized,flash")
-    try:
-        width_steps = [int(step) for step in args.width_steps.split(",") if step.strip()]
-    except ValueError:
-        width_steps = [0]
-    if any(step < 1 for step in width_steps):
+    steps = [step.strip() for step in args.width_steps.split(",") if step.strip()]
+    if not all(step.isdigit() and int(step) >= 1 for step in steps):
         sys.exit(f"error: --width-steps {args.width_steps}: positive counts of slots separated by commas")
+    width_steps = [int(step) for step in steps]
     if args.troupe_autotune and not os.access(args.troupe_autotune, os.X_OK):
         sys.exit(f"error: --troupe-autotune {args.troupe_autotune}: no such executable")
     if not os.access(args.troupe, os.X_OK):

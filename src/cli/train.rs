@@ -310,58 +310,56 @@ impl ProfileRow {
     }
 }
 
-/// The `--profile` table: one line per iteration and their mean.
+/// The `--profile` table: one line per iteration and their mean; on a GPU, then the device
+/// memory per iteration and its peak.
 fn profile_table(rows: &[ProfileRow]) -> String {
-    let mut out = String::from("seconds per phase and iteration (troupe train --profile)\n");
-    out += &format!("{:>9}", "iteration");
-    for column in PROFILE_COLUMNS {
-        out += &format!(" {column:>10}");
-    }
-    out.push('\n');
-    let mut line = |label: String, seconds: &[f64; 11]| {
-        out += &format!("{label:>9}");
-        for s in seconds {
-            out += &format!(" {s:>10.3}");
-        }
-        out.push('\n');
-    };
-    for row in rows {
-        line(row.iteration.to_string(), &row.seconds);
-    }
+    let mut out = String::new();
+    let mut lines: Vec<(String, Vec<f64>)> =
+        rows.iter().map(|r| (r.iteration.to_string(), r.seconds.to_vec())).collect();
     if !rows.is_empty() {
-        let mut mean = [0.0; 11];
+        let mut mean = vec![0.0; PROFILE_COLUMNS.len()];
         for row in rows {
             for (m, s) in mean.iter_mut().zip(&row.seconds) {
                 *m += s / rows.len() as f64;
             }
         }
-        line("mean".to_string(), &mean);
+        lines.push(("mean".to_string(), mean));
     }
-    let memory: Vec<(u64, [f64; 7])> = rows.iter().filter_map(|r| r.memory.map(|m| (r.iteration, m))).collect();
-    if !memory.is_empty() {
-        out +=
-            "device memory per phase and iteration, MiB: in use at the phase's boundaries; reserved by the allocator\n";
-        out += &format!("{:>9}", "iteration");
-        for (column, _) in MEMORY_COLUMNS {
-            out += &format!(" {column:>10}");
-        }
-        out.push('\n');
-        let mut peak = [0.0f64; 7];
-        for (iteration, mib) in &memory {
-            out += &format!("{iteration:>9}");
+    write_table(&mut out, "seconds per phase and iteration (troupe train --profile)", &PROFILE_COLUMNS, &lines, 3);
+    let mut lines: Vec<(String, Vec<f64>)> =
+        rows.iter().filter_map(|r| r.memory.map(|m| (r.iteration.to_string(), m.to_vec()))).collect();
+    if !lines.is_empty() {
+        let mut peak = vec![0.0f64; MEMORY_COLUMNS.len()];
+        for (_, mib) in &lines {
             for (p, m) in peak.iter_mut().zip(mib) {
-                out += &format!(" {m:>10.0}");
                 *p = p.max(*m);
             }
-            out.push('\n');
         }
-        out += &format!("{:>9}", "peak");
-        for p in peak {
-            out += &format!(" {p:>10.0}");
+        lines.push(("peak".to_string(), peak));
+        let title =
+            "device memory per phase and iteration, MiB: in use at the phase's boundaries; reserved by the allocator";
+        write_table(&mut out, title, &MEMORY_COLUMNS.map(|(column, _)| column), &lines, 0);
+    }
+    out
+}
+
+/// Appends `title`, a header of `columns` and one line per `(label, figures)`, each figure with
+/// `decimals` places.
+fn write_table(out: &mut String, title: &str, columns: &[&str], lines: &[(String, Vec<f64>)], decimals: usize) {
+    *out += title;
+    out.push('\n');
+    *out += &format!("{:>9}", "iteration");
+    for column in columns {
+        *out += &format!(" {column:>10}");
+    }
+    out.push('\n');
+    for (label, figures) in lines {
+        *out += &format!("{label:>9}");
+        for figure in figures {
+            *out += &format!(" {figure:>10.decimals$}");
         }
         out.push('\n');
     }
-    out
 }
 
 #[cfg(test)]

@@ -729,8 +729,8 @@ impl CausalLm {
     }
 
     /// The multiple of slots a batch's rows are padded to ([`GPU_WIDTH_STEP`] on a GPU unless
-    /// `TROUPE_WIDTH_STEP` says otherwise, 1 on the CPU): scoring, generation and packed decisions pad their rows to the longest row's
-    /// width rounded up to it. The results do not depend on it (padding is masked).
+    /// `TROUPE_WIDTH_STEP` says otherwise, 1 on the CPU): scoring, generation and packed
+    /// decisions pad their rows to the longest row's width rounded up to it. The results do not depend on it (padding is masked).
     pub fn width_step(&self) -> usize {
         self.width_step
     }

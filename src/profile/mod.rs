@@ -53,12 +53,17 @@ thread_local! {
     static SECONDS: Cell<PhaseSeconds> = const { Cell::new([0.0; 4]) };
 }
 
-/// Adds the time since `started` to `phase` (and the kernels this thread launched since the
-/// last phase closed, when they are being counted: [`kernels`]; and the device's memory now,
-/// when it is watched: [`memory`]).
+/// Closes `phase` on this thread: gives it the kernels launched since the last phase closed,
+/// when they are being counted ([`kernels`]), and the device's memory now, when it is watched
+/// ([`memory`]).
+pub fn close(phase: &'static str) {
+    kernels::close(phase);
+    memory::mark(phase);
+}
+
+/// Adds the time since `started` to `phase`, and [`close`]s it.
 pub fn since(phase: Phase, started: Instant) {
-    kernels::close(phase.name());
-    memory::mark(phase.name());
+    close(phase.name());
     let seconds = started.elapsed().as_secs_f64();
     SECONDS.with(|s| {
         let mut v = s.get();

@@ -422,8 +422,7 @@ impl MagrpoTrainer {
             update_flops += self.scorer().forward_flops(&batch);
         }
         let credit_seconds = credit_started.elapsed().as_secs_f64();
-        crate::profile::kernels::close("credit");
-        crate::profile::memory::mark("credit");
+        crate::profile::close("credit");
 
         let lr = self.learning_rate(iteration);
         let place = format!("iteration {iteration}");
@@ -442,8 +441,7 @@ impl MagrpoTrainer {
             let grad_norm =
                 self.optimizers.step(&mut self.manager, pass.grads, lr).map_err(|e| label_non_finite(e, &place))?;
             optimizer_seconds += optimizer_started.elapsed().as_secs_f64();
-            crate::profile::kernels::close("optimizer");
-            crate::profile::memory::mark("optimizer");
+            crate::profile::close("optimizer");
             first.get_or_insert((pass.loss, grad_norm, pass.stats));
         }
         let (loss, grad_norm, first_stats) = first.expect("at least one epoch");
