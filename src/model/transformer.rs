@@ -13,6 +13,7 @@ use super::attention_kernel::AttentionKernel;
 use super::config::{ModelConfig, ModelType};
 use super::fused::{add_rms_norm, attention, swiglu_stacked, HostMask};
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
+use super::prompt_cache::{self, GroupLayout, PromptCache, SharedPrompt};
 use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
 use super::weights::WeightSource;
 use crate::error::{Result, TroupeError};
@@ -118,7 +119,9 @@ impl SequenceLayout {
 /// (differentiable; what scoring uses). One made by [`KvCache::with_capacity`] reserves room
 /// and writes each call's slots in place (generation: no copy of the whole cache per token),
 /// presenting attention all its room ([`KvCache::keys_after`]); the caller masks the unwritten
-/// slots ([`SequenceLayout::step_within`]).
+/// slots ([`SequenceLayout::step_within`]). One made by [`KvCache::sharing_prompts`] holds the
+/// prompts its rows share once per group before each row's own slots
+/// ([`super::prompt_cache`]).
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
     /// Per layer: keys and values, each `[batch, kv_heads, slots, head_dim]` (`slots` is the
@@ -128,12 +131,14 @@ pub struct KvCache {
     filled: Vec<usize>,
     /// Slots to reserve at the first write, when writing in place.
     capacity: Option<usize>,
+    /// The prompts the rows share, before every row's own slots.
+    prompt: Option<SharedPrompt>,
 }
 
 impl KvCache {
     /// An empty cache for a model with `num_layers` layers.
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers], filled: vec![0; num_layers], capacity: None }
+        Self { layers: vec![None; num_layers], filled: vec![0; num_layers], capacity: None, prompt: None }
     }
 
     /// An empty cache that reserves `capacity` slots per row and writes in place; it grows
@@ -142,9 +147,32 @@ impl KvCache {
         Self { capacity: Some(capacity), ..Self::new(num_layers) }
     }
 
-    /// Number of cached slots per row.
+    /// A cache whose rows continue the rows of `prompts` (every layer filled, one row per
+    /// group), row `r` group `group_of_row[r]`'s, holding each group's keys and values once and
+    /// reserving `capacity` slots of each row's own, written in place as
+    /// [`KvCache::with_capacity`] writes them. Attention then reads both parts
+    /// ([`super::prompt_cache::attend`]).
+    pub fn sharing_prompts(prompts: KvCache, group_of_row: &[usize], capacity: usize, device: &Device) -> Result<Self> {
+        let groups = GroupLayout::new(group_of_row, device);
+        let slots = prompts.len();
+        let layers = prompts
+            .layers
+            .into_iter()
+            .map(|layer| {
+                let (keys, values) = layer.ok_or_else(|| TroupeError::invalid("prompts", "a layer holds no prompt"))?;
+                Ok((keys.narrow(2, 0, slots), values.narrow(2, 0, slots)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        if layers.iter().any(|(k, _)| k.dims()[0] != group_of_row.iter().max().map_or(0, |&g| g + 1)) {
+            return Err(TroupeError::invalid("group_of_row", "one group per row of the prompts' cache"));
+        }
+        let num_layers = layers.len();
+        Ok(Self { prompt: Some(SharedPrompt { layers, groups }), ..Self::with_capacity(num_layers, capacity) })
+    }
+
+    /// Number of cached slots per row (a shared prompt's included).
     pub fn len(&self) -> usize {
-        self.filled.first().copied().unwrap_or(0)
+        self.prompt.as_ref().map_or(0, SharedPrompt::len) + self.filled.first().copied().unwrap_or(0)
     }
 
     /// Whether nothing is cached yet.
@@ -155,10 +183,17 @@ impl KvCache {
     /// The number of key slots attention sees once `seq` more slots are appended: the cached
     /// length plus `seq`, or the room a reserved cache will have.
     pub fn keys_after(&self, seq: usize) -> usize {
-        self.slots_after(0, seq)
+        self.prompt.as_ref().map_or(0, SharedPrompt::len) + self.slots_after(0, seq)
     }
 
-    /// [`KvCache::keys_after`] for `layer`.
+    /// The prompts `layer` shares (keys, values) and which rows read which, for a cache made by
+    /// [`KvCache::sharing_prompts`].
+    fn shared_prompt(&self, layer: usize) -> Option<((Tensor<4>, Tensor<4>), &GroupLayout)> {
+        let prompt = self.prompt.as_ref()?;
+        Some((prompt.layers[layer].clone(), &prompt.groups))
+    }
+
+    /// A layer's own slots: [`KvCache::keys_after`] for `layer`, without a shared prompt.
     fn slots_after(&self, layer: usize, seq: usize) -> usize {
         let needed = self.filled.get(layer).copied().unwrap_or(0) + seq;
         match self.capacity {
@@ -182,6 +217,11 @@ impl KvCache {
     /// `rows`: `[new_batch]`; every layer `[batch, kv_heads, slots, head_dim]` ->
     /// `[new_batch, kv_heads, slots, head_dim]`
     pub fn select_rows(&mut self, rows: &Tensor<1, Int>) {
+        if let Some(prompt) = self.prompt.as_mut() {
+            let picked: Vec<usize> = rows.to_data().iter::<i64>().map(|r| r as usize).collect();
+            let group_of_row: Vec<usize> = picked.iter().map(|&r| prompt.groups.group_of_row()[r]).collect();
+            prompt.groups = GroupLayout::new(&group_of_row, &rows.device());
+        }
         for layer in self.layers.iter_mut() {
             if let Some((keys, values)) = layer.take() {
                 *layer = Some((keys.select(0, rows.clone()), values.select(0, rows.clone())));
@@ -284,6 +324,8 @@ pub struct CausalLm {
     source_fingerprint: Option<String>,
     /// Batches of rows are padded to a multiple of this many slots ([`CausalLm::width_step`]).
     width_step: usize,
+    /// How a generation's cache holds a prompt several rows share (`runtime.prompt_cache`).
+    prompt_cache: PromptCache,
 }
 
 /// On a GPU the widths of a batch's rows (prompts, prefixes, replies, packed decisions) are
@@ -521,11 +563,17 @@ impl Attention {
         let [batch, seq, _] = x.dims();
         let (q, k, v) = self.project_qkv(x, layer, rope, args.delta);
         let q = Self::rotated_heads(q, &self.q_norm, rope);
-        let (k, v) = match args.cache.as_deref_mut() {
-            Some(cache) => cache.append(layer, k, v),
-            None => (k, v),
+        let mask = &args.layout.mask;
+        let out = match args.cache.as_deref_mut() {
+            Some(cache) => {
+                let (k, v) = cache.append(layer, k, v);
+                match cache.shared_prompt(layer) {
+                    Some((prompt, groups)) => prompt_cache::attend(q, prompt, groups, (k, v), mask),
+                    None => attention(q, k, v, mask, &args.layout.host_mask, self.kernel),
+                }
+            }
+            None => attention(q, k, v, mask, &args.layout.host_mask, self.kernel),
         };
-        let out = attention(q, k, v, &args.layout.mask, &args.layout.host_mask, self.kernel);
         let out = out.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
         project_apart(&self.o_proj, out, layer, Projection::O, args.delta)
     }
@@ -663,6 +711,7 @@ impl CausalLm {
             device: device.clone(),
             source_fingerprint,
             width_step,
+            prompt_cache: PromptCache::Auto,
         })
     }
 
@@ -685,6 +734,23 @@ impl CausalLm {
         for layer in &mut self.layers {
             layer.self_attn.kernel = kernel;
         }
+    }
+
+    /// How a generation's cache holds a prompt several rows share (`runtime.prompt_cache`;
+    /// `auto` at load).
+    pub fn prompt_cache(&self) -> PromptCache {
+        self.prompt_cache
+    }
+
+    /// Sets [`CausalLm::prompt_cache`].
+    pub fn set_prompt_cache(&mut self, choice: PromptCache) {
+        self.prompt_cache = choice;
+    }
+
+    /// Whether a generation holds a prompt its rows share once per group
+    /// ([`KvCache::sharing_prompts`]): [`CausalLm::prompt_cache`] on this model's device.
+    pub fn shares_prompts(&self) -> bool {
+        self.prompt_cache.shares_on(&self.device)
     }
 
     /// The fingerprint of the f32 weights of a base held in bf16 or f16, taken at load.

@@ -10,7 +10,7 @@ use troupe::adapters::optim::AdapterGrads;
 use troupe::adapters::MultiAdapterManager;
 use troupe::generate::prefix::SharedPrefixes;
 use troupe::generate::{completion_logprobs, generate_rows, GenerateOptions, SamplingConfig, ScoringBatch};
-use troupe::model::{Model, ProjectionDelta};
+use troupe::model::{Model, ProjectionDelta, PromptCache};
 
 fn setup() -> (Model, MultiAdapterManager) {
     common::tiny_qwen3_with_adapters()
@@ -34,7 +34,12 @@ fn rows_sharing_a_prompt_generate_what_each_generates_alone() {
     // (agent 0, p), (agent 1, q), (agent 1, p), (no adapter, p): a prompt is shared only on one adapter.
     assert_eq!(share.unique, vec![0, 2, 3, 5]);
     assert_eq!(share.group_of_row, vec![0, 0, 1, 2, 1, 3]);
-    for sampling in [SamplingConfig::greedy(), SamplingConfig { temperature: 0.9, top_k: 0, top_p: 0.95 }] {
+    // The prompts held once per group, or copied to every row: the same either way.
+    let choices = [PromptCache::Copied, PromptCache::Shared];
+    let samplings = [SamplingConfig::greedy(), SamplingConfig { temperature: 0.9, top_k: 0, top_p: 0.95 }];
+    for (choice, sampling) in choices.into_iter().flat_map(|c| samplings.iter().map(move |s| (c, s.clone()))) {
+        let mut model = model.clone();
+        model.lm.set_prompt_cache(choice);
         let options = GenerateOptions { max_new_tokens: 8, sampling, seed: 0, stop_at_eos: false, use_cache: true };
         let batched =
             generate_rows(&model.lm, &[], &prompts, &[], &options, &seeds, Some(&delta as &dyn ProjectionDelta))
@@ -51,13 +56,42 @@ fn rows_sharing_a_prompt_generate_what_each_generates_alone() {
                 Some(&own as &dyn ProjectionDelta),
             )
             .unwrap();
-            common::assert_same_generations(&alone, std::slice::from_ref(generated), &format!("row {row}"));
+            let what = format!("{}: row {row}", choice.name());
+            common::assert_same_generations(&alone, std::slice::from_ref(generated), &what);
         }
         // Rows sharing a prompt and adapter but not a seed still sample their own replies.
         if !options.sampling.is_greedy() {
             assert_ne!(batched[0].output_ids, batched[1].output_ids);
         }
     }
+}
+
+/// A rollout's shape: groups of replies to one prompt, side by side, on two agents' adapters,
+/// sampled past the cache's first reserved room (it grows): the prompts held once per group
+/// decode what their copies decode.
+#[test]
+fn a_cache_holding_each_groups_prompt_once_decodes_what_copies_decode() {
+    let (model, manager) = setup();
+    let (p, q) = (encode(&model, "Player 1 hints red. Play card 0."), encode(&model, "North opens 1NT."));
+    let mut prompts = Vec::new();
+    let mut agents = Vec::new();
+    for (prompt, agent) in [(&p, 0), (&q, 1), (&q, 0)] {
+        prompts.extend(std::iter::repeat_n(prompt.clone(), 4));
+        agents.extend(std::iter::repeat_n(Some(agent), 4));
+    }
+    let seeds: Vec<u64> = (0..prompts.len() as u64).map(|s| 7 + s).collect();
+    let (delta, _) = manager.mixed(&agents, false).unwrap();
+    let sampling = SamplingConfig { temperature: 0.9, top_k: 0, top_p: 0.95 };
+    let options = GenerateOptions { max_new_tokens: 140, sampling, seed: 0, stop_at_eos: false, use_cache: true };
+    let run = |choice: PromptCache| {
+        let mut model = model.clone();
+        model.lm.set_prompt_cache(choice);
+        assert_eq!(model.lm.shares_prompts(), choice == PromptCache::Shared);
+        generate_rows(&model.lm, &[], &prompts, &[], &options, &seeds, Some(&delta as &dyn ProjectionDelta)).unwrap()
+    };
+    let (copied, shared) = (run(PromptCache::Copied), run(PromptCache::Shared));
+    assert!(copied.iter().all(|g| g.output_ids.len() == 140));
+    common::assert_same_generations(&copied, &shared, "shared against copied prompts");
 }
 
 #[test]

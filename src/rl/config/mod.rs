@@ -362,6 +362,22 @@ mod tests {
     }
 
     #[test]
+    fn runtime_prompt_cache_reads_refuses_by_name_and_reaches_the_model() {
+        use crate::model::PromptCache;
+        assert_eq!(parse("", &[]).unwrap().runtime.prompt_cache, PromptCache::Auto);
+        let set = parse("runtime: {prompt_cache: shared}", &["runtime.prompt_cache=copied"]).unwrap();
+        assert_eq!(set.runtime.prompt_cache, PromptCache::Copied);
+        assert_eq!(
+            error("runtime: {prompt_cache: once}", &[]),
+            "configs/test.yaml: runtime.prompt_cache: unknown variant `once`, expected one of `auto`, `shared`, `copied`"
+        );
+        let config = parse("runtime: {prompt_cache: shared}", &[]).unwrap();
+        let model = crate::rl::run::load_model(&config, &burn::tensor::Device::flex()).unwrap();
+        assert_eq!(model.lm.prompt_cache(), PromptCache::Shared);
+        assert!(model.lm.shares_prompts(), "asked for, the CPU shares too");
+    }
+
+    #[test]
     fn yaml_syntax_errors_name_the_file() {
         let err = error("training: {group_size: 4\n", &[]);
         assert!(err.starts_with("configs/test.yaml: ") && err.contains("line"), "{err}");

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::adapters::{AdamWConfig, AdapterMode};
-use crate::model::AttentionKernel;
+use crate::model::{AttentionKernel, PromptCache};
 use crate::rl::credit::advantage::{AdvantageBaseline, RewardScaling};
 use crate::rl::credit::batch::{AdvantageGrouping, AdvantageSettings};
 use crate::rl::objective::{KlPenalty, ObjectiveConfig};
@@ -146,5 +146,11 @@ config_section! {
         /// (`materialized`: the two are not yet timed on a GPU). The update's forward and the
         /// CPU are unaffected.
         pub attention: AttentionKernel = AttentionKernel::Auto,
+        /// How a rollout's KV cache holds the prompt a group's replies share: `shared` (once
+        /// per group, beside each reply's own slots; attention reads both parts), `copied`
+        /// (each reply's row holds its own copy) or `auto` (`shared` on a GPU, `copied` on the
+        /// CPU). The same tokens and log-probabilities within float rounding; `shared` holds
+        /// and reads far fewer keys and values when prompts are long beside the replies.
+        pub prompt_cache: PromptCache = PromptCache::Auto,
     }
 }

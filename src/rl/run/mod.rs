@@ -85,7 +85,7 @@ pub struct PendingIteration {
 }
 
 /// The model a config names: a Hugging Face directory, or the built-in preset; its attention
-/// kernel `runtime.attention`.
+/// kernel `runtime.attention` and its rollouts' prompt cache `runtime.prompt_cache`.
 pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result<Model> {
     let mut model = Model::load(&config.model, device).map_err(|err| match err {
         TroupeError::BadValue { key: name, message, .. } if name == "model.preset" => {
@@ -94,6 +94,7 @@ pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result
         other => other,
     })?;
     model.lm.set_attention_kernel(config.runtime.attention);
+    model.lm.set_prompt_cache(config.runtime.prompt_cache);
     Ok(model)
 }
 

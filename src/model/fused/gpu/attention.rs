@@ -171,10 +171,10 @@ pub fn attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>, mask: &Tensor<4, Bool
 /// # Shapes
 /// `scores`: `[batch, heads, rows, keys]`, `mask`: `[batch, 1, mask_rows, keys]` with `rows` a
 /// multiple of `mask_rows` (score row `r` reads mask row `r % mask_rows`) -> like `scores`
-fn masked_softmax(scores: Tensor<4>, mask: &Tensor<4, Bool>, scale: f32) -> Tensor<4> {
+pub fn masked_softmax(scores: Tensor<4>, mask: &Tensor<4, Bool>, scale: f32) -> Tensor<4> {
     let [batch, heads, rows, keys] = scores.dims();
     let primitives = (scores.clone().try_into_primitive::<Cube>(), mask.clone().try_into_primitive::<Cube>());
-    let (Ok(sp), Ok(mp)) = primitives else {
+    let (Ok(sp), Ok(mp), true) = (primitives.0, primitives.1, integer_mask(mask)) else {
         let hidden = mask.clone().repeat_dim(2, rows / mask.dims()[2]);
         return burn::tensor::activation::softmax((scores * scale).mask_fill(hidden, f32::NEG_INFINITY), 3);
     };

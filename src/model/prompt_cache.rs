@@ -1,0 +1,290 @@
+//! A prompt's keys and values held once for the rows that share it (`runtime.prompt_cache`).
+//!
+//! A GRPO group decodes several replies to one prompt on one adapter. Its prompt is prefilled
+//! once ([`crate::generate::prefix::SharedPrefixes`]); then either every row gets its own copy
+//! of the prompt's keys and values (`copied`: [`super::KvCache::select_rows`], one cache
+//! `[rows, kv_heads, prompt + reply room, head_dim]`), or the cache keeps the prompt once per
+//! group beside each row's own reply room (`shared`: [`SharedPrompt`],
+//! `[groups, kv_heads, prompt, head_dim]` and `[rows, kv_heads, reply room, head_dim]`), and
+//! attention reads the two parts ([`attend`]): the queries' scores against their group's prompt
+//! and against their own reply, one masked softmax over both, and each part's values weighted
+//! by its probabilities, summed. At a GRPO rollout's shape (8 replies of 128 tokens to a
+//! 384-token prompt) the shared cache is about a third of the copied one, and a decoding step
+//! reads a third of the keys and values. The sums run in another order than one product over
+//! the copied cache: the outputs agree within float rounding.
+
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+/// `runtime.prompt_cache`: how a generation's cache holds a prompt several rows share.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptCache {
+    /// `shared` on a GPU, `copied` on the CPU (whose fused attention reads one cache per row;
+    /// the CPU's runs then compute exactly what they did before the choice existed).
+    #[default]
+    Auto,
+    /// The prompt held once per group, attention over two parts.
+    Shared,
+    /// Every row holds its own copy of the prompt.
+    Copied,
+}
+
+impl PromptCache {
+    /// The name as the config writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PromptCache::Auto => "auto",
+            PromptCache::Shared => "shared",
+            PromptCache::Copied => "copied",
+        }
+    }
+
+    /// Whether a generation on `device` holds shared prompts once (`auto`: off the CPU).
+    pub fn shares_on(self, device: &Device) -> bool {
+        match self {
+            PromptCache::Auto => *device != Device::flex(),
+            PromptCache::Shared => true,
+            PromptCache::Copied => false,
+        }
+    }
+}
+
+/// Which rows read which group's prompt, as [`attend`] lays them out: the rows in groups of
+/// `width`, group `g` at rows `g * width ..`. When the batch's rows already sit so (a GRPO
+/// rollout's groups, contiguous and of one size) nothing moves; otherwise the queries are
+/// gathered into that layout (a group short of `width` rows repeats one of its rows) and the
+/// results gathered back.
+#[derive(Clone, Debug)]
+pub struct GroupLayout {
+    /// Per row: its group.
+    group_of_row: Vec<usize>,
+    /// Number of groups.
+    groups: usize,
+    /// Rows per group in the layout (the largest group).
+    width: usize,
+    /// `[groups * width]`: the row at each place of the layout, when it is not the identity.
+    order: Option<Tensor<1, Int>>,
+    /// `[rows]`: each row's place in the layout, when it is not the identity.
+    back: Option<Tensor<1, Int>>,
+}
+
+impl GroupLayout {
+    /// The layout of rows whose groups are `group_of_row` (each in `0..groups`, every group
+    /// with at least one row).
+    pub fn new(group_of_row: &[usize], device: &Device) -> Self {
+        let groups = group_of_row.iter().max().map_or(0, |&g| g + 1);
+        let mut members: Vec<Vec<usize>> = vec![Vec::new(); groups];
+        for (row, &group) in group_of_row.iter().enumerate() {
+            members[group].push(row);
+        }
+        let width = members.iter().map(Vec::len).max().unwrap_or(0);
+        let mut order = Vec::with_capacity(groups * width);
+        let mut back = vec![0i64; group_of_row.len()];
+        for (g, rows) in members.iter().enumerate() {
+            for i in 0..width {
+                let row = rows.get(i).or(rows.first()).copied().expect("every group has a row");
+                if i < rows.len() {
+                    back[row] = (g * width + i) as i64;
+                }
+                order.push(row as i64);
+            }
+        }
+        let identity = order.len() == group_of_row.len() && order.iter().enumerate().all(|(i, &r)| r == i as i64);
+        let index = |values: Vec<i64>| {
+            let len = values.len();
+            Tensor::<1, Int>::from_data(TensorData::new(values, [len]), device)
+        };
+        let (order, back) = if identity { (None, None) } else { (Some(index(order)), Some(index(back))) };
+        Self { group_of_row: group_of_row.to_vec(), groups, width, order, back }
+    }
+
+    /// Per row: its group.
+    pub fn group_of_row(&self) -> &[usize] {
+        &self.group_of_row
+    }
+
+    /// `t`'s rows (dimension 0) in the layout's order: `[rows, ..]` -> `[groups * width, ..]`.
+    fn gather<const D: usize>(&self, t: Tensor<D>) -> Tensor<D> {
+        match &self.order {
+            Some(order) => t.select(0, order.clone()),
+            None => t,
+        }
+    }
+
+    /// The rows of `t` back in the batch's order: `[groups * width, ..]` -> `[rows, ..]`.
+    fn scatter<const D: usize>(&self, t: Tensor<D>) -> Tensor<D> {
+        match &self.back {
+            Some(back) => t.select(0, back.clone()),
+            None => t,
+        }
+    }
+}
+
+/// The prompts of a shared cache: per layer, each group's keys and values once.
+#[derive(Clone, Debug)]
+pub struct SharedPrompt {
+    /// Per layer: keys and values, each `[groups, kv_heads, prompt, head_dim]`.
+    pub layers: Vec<(Tensor<4>, Tensor<4>)>,
+    /// Which rows read which group's prompt.
+    pub groups: GroupLayout,
+}
+
+impl SharedPrompt {
+    /// Prompt slots per row.
+    pub fn len(&self) -> usize {
+        self.layers.first().map_or(0, |(k, _)| k.dims()[2])
+    }
+
+    /// Whether no slot is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Masked grouped-query attention over a shared prompt and each row's own keys and values,
+/// scale `1 / sqrt(head_dim)`: what attention over each row's copy of its group's prompt
+/// followed by its own slots computes. The query heads of each key/value head are folded into
+/// its rows, as the other attentions fold them, so no key or value head is repeated. A query
+/// that may see no key gets zeros on a GPU and equal weights elsewhere (no generation asks
+/// for one: every query sees its own slot or its prompt).
+///
+/// # Shapes
+/// `q`: `[rows, heads, seq, head_dim]`; `prompt`: `[groups, kv_heads, prompt, head_dim]` each;
+/// `own`: `[rows, kv_heads, reply, head_dim]` each; `mask`: `[rows, 1, seq, prompt + reply]`
+/// (`true`: hidden) -> `[rows, heads, seq, head_dim]`
+pub fn attend(
+    q: Tensor<4>,
+    prompt: (Tensor<4>, Tensor<4>),
+    groups: &GroupLayout,
+    own: (Tensor<4>, Tensor<4>),
+    mask: &Tensor<4, Bool>,
+) -> Tensor<4> {
+    let [rows, heads, seq, head_dim] = q.dims();
+    let (prompt_k, prompt_v) = prompt;
+    let (own_k, own_v) = own;
+    let [group_count, kv_heads, prompt_len, _] = prompt_k.dims();
+    let reply_len = own_k.dims()[2];
+    debug_assert_eq!(group_count, groups.groups, "one prompt per group");
+    let (width, folded) = (groups.width, heads / kv_heads * seq);
+    let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
+    // Query head `h` reads key/value head `h / (heads / kv_heads)`: `[rows, kv_heads, folded, d]`.
+    let q = q.reshape([rows, kv_heads, folded, head_dim]);
+    // A group's rows side by side: `[rows, kv, folded, x]` <-> `[groups, kv, width * folded, x]`.
+    let by_group = |t: Tensor<4>| {
+        let last = t.dims()[3];
+        groups.gather(t).reshape([group_count, width, kv_heads, folded, last]).swap_dims(1, 2).reshape([
+            group_count,
+            kv_heads,
+            width * folded,
+            last,
+        ])
+    };
+    let by_row = |t: Tensor<4>| {
+        let last = t.dims()[3];
+        let t = t.reshape([group_count, kv_heads, width, folded, last]).swap_dims(1, 2);
+        groups.scatter(t.reshape([group_count * width, kv_heads, folded, last]))
+    };
+    let prompt_scores = by_row(by_group(q.clone()).matmul(prompt_k.swap_dims(2, 3)));
+    let own_scores = q.matmul(own_k.swap_dims(2, 3));
+    let probs = masked_softmax(Tensor::cat(vec![prompt_scores, own_scores], 3), mask, scale);
+    let from_prompt = by_row(by_group(probs.clone().narrow(3, 0, prompt_len)).matmul(prompt_v));
+    let from_own = probs.narrow(3, prompt_len, reply_len).matmul(own_v);
+    (from_prompt + from_own).reshape([rows, heads, seq, head_dim])
+}
+
+/// `softmax(scores * scale)` over the keys `mask` leaves visible: troupe's kernel on a GPU,
+/// burn's operations elsewhere.
+///
+/// # Shapes
+/// `scores`: `[rows, kv_heads, folded, keys]`, `mask`: `[rows, 1, seq, keys]` with `folded` a
+/// multiple of `seq` (score row `r` reads mask row `r % seq`) -> like `scores`
+fn masked_softmax(scores: Tensor<4>, mask: &Tensor<4, Bool>, scale: f32) -> Tensor<4> {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if super::fused::gpu::takes(&scores) {
+        return super::fused::gpu::masked_softmax(scores, mask, scale);
+    }
+    let folds = scores.dims()[2] / mask.dims()[2];
+    let hidden = mask.clone().repeat_dim(2, folds);
+    burn::tensor::activation::softmax((scores * scale).mask_fill(hidden, f32::MIN), 3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip_through_yaml_and_the_command_line() {
+        for choice in [PromptCache::Auto, PromptCache::Shared, PromptCache::Copied] {
+            let yaml = serde_yaml::to_string(&choice).unwrap();
+            assert_eq!(yaml.trim(), choice.name());
+            assert_eq!(serde_yaml::from_str::<PromptCache>(&yaml).unwrap(), choice);
+            assert_eq!(<PromptCache as clap::ValueEnum>::from_str(choice.name(), true), Ok(choice));
+        }
+        let cpu = Device::flex();
+        assert!(!PromptCache::Auto.shares_on(&cpu), "the CPU keeps its copies unless asked");
+        assert!(PromptCache::Shared.shares_on(&cpu));
+        assert!(!PromptCache::Copied.shares_on(&cpu));
+    }
+
+    #[test]
+    fn a_layout_moves_nothing_for_contiguous_groups_of_one_size() {
+        let device = Device::flex();
+        let layout = GroupLayout::new(&[0, 0, 1, 1, 2, 2], &device);
+        assert_eq!((layout.groups, layout.width), (3, 2));
+        assert!(layout.order.is_none() && layout.back.is_none());
+    }
+
+    #[test]
+    fn a_layout_gathers_scattered_and_uneven_groups_and_puts_them_back() {
+        let device = Device::flex();
+        // Group 0: rows 1, 3, 4; group 1: row 0; group 2: row 2.
+        let layout = GroupLayout::new(&[1, 0, 2, 0, 0], &device);
+        assert_eq!((layout.groups, layout.width), (3, 3));
+        let rows = Tensor::<1, Int>::from_data(TensorData::new(vec![10i64, 11, 12, 13, 14], [5]), &device).float();
+        let gathered = layout.gather(rows.clone().reshape([5, 1])).reshape([9]);
+        let expected = [11.0f32, 13.0, 14.0, 10.0, 10.0, 10.0, 12.0, 12.0, 12.0];
+        assert_eq!(gathered.to_data().try_into_vec::<f32>().unwrap(), expected);
+        let back = layout.scatter(gathered.reshape([9, 1])).reshape([5]);
+        assert_eq!(back.into_data().try_into_vec::<f32>().unwrap(), rows.into_data().try_into_vec::<f32>().unwrap());
+    }
+
+    /// Attention over the two parts against attention over each row's copy of its prompt
+    /// joined to its own keys (burn's attention), with query heads sharing key/value heads,
+    /// scattered groups of different sizes, several queries per row and masked slots.
+    #[test]
+    fn attending_the_two_parts_matches_attending_each_rows_copy() {
+        use burn::tensor::{Distribution, TensorData};
+        let device = Device::flex();
+        let (heads, kv_heads, seq, head_dim, prompt_len, reply_len) = (4, 2, 3, 8, 5, 6);
+        let group_of_row = [1usize, 0, 1, 1, 2];
+        let rows = group_of_row.len();
+        let layout = GroupLayout::new(&group_of_row, &device);
+        let random = |dims: [usize; 4]| Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+        let q = random([rows, heads, seq, head_dim]);
+        let (pk, pv) = (random([3, kv_heads, prompt_len, head_dim]), random([3, kv_heads, prompt_len, head_dim]));
+        let (ok, ov) = (random([rows, kv_heads, reply_len, head_dim]), random([rows, kv_heads, reply_len, head_dim]));
+        // Row r hides its first r prompt slots (left padding) and the reply slots past its
+        // queries' (causal, the room beyond unwritten).
+        let keys = prompt_len + reply_len;
+        let hidden: Vec<bool> = (0..rows)
+            .flat_map(|r| {
+                (0..seq)
+                    .flat_map(move |i| (0..keys).map(move |key| key < r || (key >= prompt_len && key > prompt_len + i)))
+            })
+            .collect();
+        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden, [rows, 1, seq, keys]), &device);
+        let out = attend(q.clone(), (pk.clone(), pv.clone()), &layout, (ok.clone(), ov.clone()), &mask);
+
+        let index: Vec<i64> = group_of_row.iter().map(|&g| g as i64).collect();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(index, [rows]), &device);
+        let k = Tensor::cat(vec![pk.select(0, index.clone()), ok], 2);
+        let v = Tensor::cat(vec![pv.select(0, index), ov], 2);
+        let expected = super::super::fused::grouped_attention(q, k, v, &mask);
+        let (got, want) =
+            (out.into_data().try_into_vec::<f32>().unwrap(), expected.into_data().try_into_vec::<f32>().unwrap());
+        assert_eq!(got.len(), want.len());
+        let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "largest difference {worst}");
+    }
+}
