@@ -313,6 +313,10 @@ def main():
                    help="after each --preset's iterations, the same run once for each of these batch paddings "
                         "(TROUPE_WIDTH_STEP: rows padded to a multiple of S slots; 1 pads to the longest), "
                         "separated by commas, to compare with the default (8 on a GPU)")
+    p.add_argument("--copied-prompts", action="store_true",
+                   help="after each --preset's iterations, the same run with each reply's row holding its own copy "
+                        "of its group's prompt in the rollout's cache (runtime.prompt_cache=copied), to compare "
+                        "seconds and memory with the default (held once per group on a GPU)")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -399,6 +403,14 @@ def main():
                 iteration[f"troupe_width_step_{step}"] = padded
                 iteration[f"troupe_width_step_{step}_s_over_troupe_s_per_iteration"] = [
                     padded["s_per_iteration"] / ours["s_per_iteration"] for ours in iteration["troupe"]]
+                write(args.out, result)
+            if args.copied_prompts:
+                # The same run with every row's own copy of its group's prompt in the rollout's cache.
+                copied = troupe_iteration(args, model_dir, work, f"{preset}-copied",
+                                          {"runtime.prompt_cache": "copied"})
+                iteration["troupe_copied_prompts"] = copied
+                iteration["troupe_copied_prompts_s_over_troupe_s_per_iteration"] = [
+                    copied["s_per_iteration"] / ours["s_per_iteration"] for ours in iteration["troupe"]]
                 write(args.out, result)
             if args.troupe_autotune:
                 # The same run on the build with burn's autotune (`--features autotune`): its first

@@ -150,6 +150,30 @@ def test_gpu_figures_width_steps_rerun_the_iteration_with_each_padding(monkeypat
     assert got["troupe_width_step_64_s_over_troupe_s_per_iteration"] == [2.0]
 
 
+def test_gpu_figures_copied_prompts_rerun_the_iteration_with_the_rows_own_copies(monkeypatch, tmp_path):
+    extras = []
+
+    def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None, env=None):
+        extras.append(extra)
+        return {"s_per_iteration": 3.0 if extra else 2.0, "update_gflop_per_s": [None]}
+
+    monkeypatch.setattr(gpu_figures, "troupe_iteration", troupe_iteration)
+    monkeypatch.setattr(gpu_figures, "trl_iteration", lambda args, model_dir: {"s_per_step": 1.0})
+    monkeypatch.setattr(gpu_figures, "gemm_tflops", lambda args: {"tflops": 1.0})
+    monkeypatch.setattr(gpu_figures, "run", lambda *a, **k: "")
+    monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
+    troupe = tmp_path / "troupe"
+    troupe.write_text("#!/bin/sh\n")
+    troupe.chmod(0o755)
+    out = tmp_path / "figures.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cpu", "--troupe", str(troupe), "--reps", "1",
+                                      "--skip-kernels", "--skip-memory", "--copied-prompts", "--out", str(out)])
+    gpu_figures.main()
+    got = json.load(open(out))["iteration_qwen3-0.6b"]
+    assert extras == [None, {"runtime.prompt_cache": "copied"}]
+    assert got["troupe_copied_prompts_s_over_troupe_s_per_iteration"] == [1.5]
+
+
 def test_gpu_figures_refuses_width_steps_that_are_not_positive_counts(tmp_path):
     got = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_figures.py"), "--device", "cpu",
                           "--width-steps", "8,x", "--out", str(tmp_path / "f.json")],

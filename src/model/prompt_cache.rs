@@ -16,6 +16,8 @@
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use crate::error::{Result, TroupeError};
+
 /// `runtime.prompt_cache`: how a generation's cache holds a prompt several rows share.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -70,10 +72,12 @@ pub struct GroupLayout {
 }
 
 impl GroupLayout {
-    /// The layout of rows whose groups are `group_of_row` (each in `0..groups`, every group
-    /// with at least one row).
-    pub fn new(group_of_row: &[usize], device: &Device) -> Self {
-        let groups = group_of_row.iter().max().map_or(0, |&g| g + 1);
+    /// The layout of rows whose groups are `group_of_row`, each in `0..groups` (a group without
+    /// rows takes places in the layout that no row reads back).
+    pub fn new(group_of_row: &[usize], groups: usize, device: &Device) -> Result<Self> {
+        if let Some(&group) = group_of_row.iter().find(|&&g| g >= groups) {
+            return Err(TroupeError::invalid("group_of_row", format!("group {group} of {groups} prompts")));
+        }
         let mut members: Vec<Vec<usize>> = vec![Vec::new(); groups];
         for (row, &group) in group_of_row.iter().enumerate() {
             members[group].push(row);
@@ -83,7 +87,7 @@ impl GroupLayout {
         let mut back = vec![0i64; group_of_row.len()];
         for (g, rows) in members.iter().enumerate() {
             for i in 0..width {
-                let row = rows.get(i).or(rows.first()).copied().expect("every group has a row");
+                let row = rows.get(i).or(rows.first()).copied().unwrap_or(0);
                 if i < rows.len() {
                     back[row] = (g * width + i) as i64;
                 }
@@ -96,7 +100,7 @@ impl GroupLayout {
             Tensor::<1, Int>::from_data(TensorData::new(values, [len]), device)
         };
         let (order, back) = if identity { (None, None) } else { (Some(index(order)), Some(index(back))) };
-        Self { group_of_row: group_of_row.to_vec(), groups, width, order, back }
+        Ok(Self { group_of_row: group_of_row.to_vec(), groups, width, order, back })
     }
 
     /// Per row: its group.
@@ -230,7 +234,7 @@ mod tests {
     #[test]
     fn a_layout_moves_nothing_for_contiguous_groups_of_one_size() {
         let device = Device::flex();
-        let layout = GroupLayout::new(&[0, 0, 1, 1, 2, 2], &device);
+        let layout = GroupLayout::new(&[0, 0, 1, 1, 2, 2], 3, &device).unwrap();
         assert_eq!((layout.groups, layout.width), (3, 2));
         assert!(layout.order.is_none() && layout.back.is_none());
     }
@@ -239,8 +243,10 @@ mod tests {
     fn a_layout_gathers_scattered_and_uneven_groups_and_puts_them_back() {
         let device = Device::flex();
         // Group 0: rows 1, 3, 4; group 1: row 0; group 2: row 2.
-        let layout = GroupLayout::new(&[1, 0, 2, 0, 0], &device);
+        let layout = GroupLayout::new(&[1, 0, 2, 0, 0], 3, &device).unwrap();
         assert_eq!((layout.groups, layout.width), (3, 3));
+        let err = GroupLayout::new(&[1, 3], 3, &device).unwrap_err().to_string();
+        assert!(err.contains("group_of_row") && err.contains("group 3 of 3"), "{err}");
         let rows = Tensor::<1, Int>::from_data(TensorData::new(vec![10i64, 11, 12, 13, 14], [5]), &device).float();
         let gathered = layout.gather(rows.clone().reshape([5, 1])).reshape([9]);
         let expected = [11.0f32, 13.0, 14.0, 10.0, 10.0, 10.0, 12.0, 12.0, 12.0];
@@ -259,7 +265,7 @@ mod tests {
         let (heads, kv_heads, seq, head_dim, prompt_len, reply_len) = (4, 2, 3, 8, 5, 6);
         let group_of_row = [1usize, 0, 1, 1, 2];
         let rows = group_of_row.len();
-        let layout = GroupLayout::new(&group_of_row, &device);
+        let layout = GroupLayout::new(&group_of_row, 3, &device).unwrap();
         let random = |dims: [usize; 4]| Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), &device);
         let q = random([rows, heads, seq, head_dim]);
         let (pk, pv) = (random([3, kv_heads, prompt_len, head_dim]), random([3, kv_heads, prompt_len, head_dim]));

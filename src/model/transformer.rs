@@ -153,7 +153,6 @@ impl KvCache {
     /// [`KvCache::with_capacity`] writes them. Attention then reads both parts
     /// ([`super::prompt_cache::attend`]).
     pub fn sharing_prompts(prompts: KvCache, group_of_row: &[usize], capacity: usize, device: &Device) -> Result<Self> {
-        let groups = GroupLayout::new(group_of_row, device);
         let slots = prompts.len();
         let layers = prompts
             .layers
@@ -163,9 +162,7 @@ impl KvCache {
                 Ok((keys.narrow(2, 0, slots), values.narrow(2, 0, slots)))
             })
             .collect::<Result<Vec<_>>>()?;
-        if layers.iter().any(|(k, _)| k.dims()[0] != group_of_row.iter().max().map_or(0, |&g| g + 1)) {
-            return Err(TroupeError::invalid("group_of_row", "one group per row of the prompts' cache"));
-        }
+        let groups = GroupLayout::new(group_of_row, layers.first().map_or(0, |(k, _)| k.dims()[0]), device)?;
         let num_layers = layers.len();
         Ok(Self { prompt: Some(SharedPrompt { layers, groups }), ..Self::with_capacity(num_layers, capacity) })
     }
@@ -218,9 +215,11 @@ impl KvCache {
     /// `[new_batch, kv_heads, slots, head_dim]`
     pub fn select_rows(&mut self, rows: &Tensor<1, Int>) {
         if let Some(prompt) = self.prompt.as_mut() {
-            let picked: Vec<usize> = rows.to_data().iter::<i64>().map(|r| r as usize).collect();
-            let group_of_row: Vec<usize> = picked.iter().map(|&r| prompt.groups.group_of_row()[r]).collect();
-            prompt.groups = GroupLayout::new(&group_of_row, &rows.device());
+            let of_row = prompt.groups.group_of_row();
+            let group_of_row: Vec<usize> = rows.to_data().iter::<i64>().map(|r| of_row[r as usize]).collect();
+            prompt.groups =
+                GroupLayout::new(&group_of_row, prompt.layers.first().map_or(0, |(k, _)| k.dims()[0]), &rows.device())
+                    .expect("the groups are the prompts'");
         }
         for layer in self.layers.iter_mut() {
             if let Some((keys, values)) = layer.take() {

@@ -170,3 +170,50 @@ fn reference_scoring_without_adapters_shares_prompts_too() {
         assert!(diff < common::tolerance(1e-5), "row {row}: {diff}");
     }
 }
+
+/// A cache holding two prompts once, its rows then picked again (a row dropped, the others
+/// reordered): the next token's hidden states are those over each row's own copy picked alike.
+#[test]
+fn a_shared_prompt_cache_picks_rows_as_a_copied_one_does() {
+    use burn::tensor::{Int, Tensor, TensorData};
+    use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
+    let (model, _) = setup();
+    let lm = &model.lm;
+    let device = lm.device().clone();
+    let layers = lm.config.num_hidden_layers;
+    let (p, q) = (encode(&model, "Player 1 hints red."), encode(&model, "North opens 1NT, South passes."));
+    let width = p.len().max(q.len());
+    let left_padded = |row: &[u32]| {
+        let mut tokens = vec![0; width - row.len()];
+        tokens.extend_from_slice(row);
+        let valid: Vec<bool> = (0..width).map(|i| i >= width - row.len()).collect();
+        (tokens, valid)
+    };
+    let (prompts, prompt_valid): (Vec<Vec<u32>>, Vec<Vec<bool>>) = [&p, &q].iter().map(|r| left_padded(r)).unzip();
+    let mut filled = KvCache::new(layers);
+    let layout = SequenceLayout::new(2).step(&prompt_valid, &device);
+    lm.fill_cache(
+        lm.token_tensor(&prompts).unwrap(),
+        ForwardArgs { layout: &layout, cache: Some(&mut filled), delta: None },
+    )
+    .unwrap();
+    let index = |rows: &[i64]| Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [rows.len()]), &device);
+    // Rows 0 and 2 on prompt p, row 1 on q; then rows 1, 2 (row 0 dropped: q's row first).
+    let group_of_row = [0usize, 1, 0];
+    let mut shared = KvCache::sharing_prompts(filled.clone(), &group_of_row, 8, &device).unwrap();
+    let mut copied = filled;
+    copied.select_rows(&index(&[0, 1, 0]));
+    let next = |cache: &mut KvCache| {
+        cache.select_rows(&index(&[1, 2]));
+        let mut layout = SequenceLayout::new(2);
+        layout.extend(&[prompt_valid[1].clone(), prompt_valid[0].clone()]);
+        let step = layout.step_within(&[vec![true], vec![true]], cache.keys_after(1), &device);
+        let tokens = lm.token_tensor(&[vec![5], vec![9]]).unwrap();
+        let hidden = lm.hidden_states(tokens, ForwardArgs { layout: &step, cache: Some(cache), delta: None }).unwrap();
+        hidden.into_data().try_into_vec::<f32>().unwrap()
+    };
+    let (from_shared, from_copies) = (next(&mut shared), next(&mut copied));
+    assert_eq!(shared.len(), width + 1);
+    let diff = common::max_abs_diff(&from_shared, &from_copies);
+    assert!(diff < common::tolerance(1e-5), "shared against copied prompts: {diff}");
+}
