@@ -149,8 +149,8 @@ config_section! {
         /// How a rollout's KV cache holds the prompt a group's replies share: `shared` (once
         /// per group, beside each reply's own slots; attention reads both parts), `copied`
         /// (each reply's row holds its own copy) or `auto` (`shared` on a GPU, `copied` on the
-        /// CPU). The same tokens and log-probabilities within float rounding; `shared` holds
-        /// and reads far fewer keys and values when prompts are long beside the replies.
+        /// CPU). The same next-token distributions within float rounding; `shared` holds and
+        /// reads far fewer keys and values when prompts are long beside the replies.
         pub prompt_cache: PromptCache = PromptCache::Auto,
     }
 }
