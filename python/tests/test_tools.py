@@ -126,12 +126,15 @@ def test_gpu_figures_iteration_reads_each_phases_device_memory(monkeypatch, tmp_
     assert got["phase_memory_mib"] == [{"decode": 300.0, "backward": 900.0, "reserved": 2000.0}, {}]
 
 
-def test_gpu_figures_width_steps_rerun_the_iteration_with_each_padding(monkeypatch, tmp_path):
-    envs = []
+def run_figures_iterations(monkeypatch, tmp_path, flags, seconds):
+    """`gpu_figures.py --skip-kernels --skip-memory FLAGS` with troupe's and TRL's runs stubbed:
+    each troupe run lasts `seconds(extra, env)`; returns the runs' (extra, env) and the preset's
+    iteration figures."""
+    runs = []
 
     def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None, env=None):
-        envs.append(env)
-        return {"s_per_iteration": 4.0 if env else 2.0, "update_gflop_per_s": [None]}
+        runs.append((extra, env))
+        return {"s_per_iteration": seconds(extra, env), "update_gflop_per_s": [None]}
 
     monkeypatch.setattr(gpu_figures, "troupe_iteration", troupe_iteration)
     monkeypatch.setattr(gpu_figures, "trl_iteration", lambda args, model_dir: {"s_per_step": 1.0})
@@ -143,34 +146,22 @@ def test_gpu_figures_width_steps_rerun_the_iteration_with_each_padding(monkeypat
     troupe.chmod(0o755)
     out = tmp_path / "figures.json"
     monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cpu", "--troupe", str(troupe), "--reps", "1",
-                                      "--skip-kernels", "--skip-memory", "--width-steps", "1,64", "--out", str(out)])
+                                      "--skip-kernels", "--skip-memory", *flags, "--out", str(out)])
     gpu_figures.main()
-    got = json.load(open(out))["iteration_qwen3-0.6b"]
-    assert envs == [None, {"TROUPE_WIDTH_STEP": "1"}, {"TROUPE_WIDTH_STEP": "64"}]
+    return runs, json.load(open(out))["iteration_qwen3-0.6b"]
+
+
+def test_gpu_figures_width_steps_rerun_the_iteration_with_each_padding(monkeypatch, tmp_path):
+    runs, got = run_figures_iterations(monkeypatch, tmp_path, ["--width-steps", "1,64"],
+                                       lambda extra, env: 4.0 if env else 2.0)
+    assert [env for _, env in runs] == [None, {"TROUPE_WIDTH_STEP": "1"}, {"TROUPE_WIDTH_STEP": "64"}]
     assert got["troupe_width_step_64_s_over_troupe_s_per_iteration"] == [2.0]
 
 
 def test_gpu_figures_copied_prompts_rerun_the_iteration_with_the_rows_own_copies(monkeypatch, tmp_path):
-    extras = []
-
-    def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None, env=None):
-        extras.append(extra)
-        return {"s_per_iteration": 3.0 if extra else 2.0, "update_gflop_per_s": [None]}
-
-    monkeypatch.setattr(gpu_figures, "troupe_iteration", troupe_iteration)
-    monkeypatch.setattr(gpu_figures, "trl_iteration", lambda args, model_dir: {"s_per_step": 1.0})
-    monkeypatch.setattr(gpu_figures, "gemm_tflops", lambda args: {"tflops": 1.0})
-    monkeypatch.setattr(gpu_figures, "run", lambda *a, **k: "")
-    monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
-    troupe = tmp_path / "troupe"
-    troupe.write_text("#!/bin/sh\n")
-    troupe.chmod(0o755)
-    out = tmp_path / "figures.json"
-    monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cpu", "--troupe", str(troupe), "--reps", "1",
-                                      "--skip-kernels", "--skip-memory", "--copied-prompts", "--out", str(out)])
-    gpu_figures.main()
-    got = json.load(open(out))["iteration_qwen3-0.6b"]
-    assert extras == [None, {"runtime.prompt_cache": "copied"}]
+    runs, got = run_figures_iterations(monkeypatch, tmp_path, ["--copied-prompts"],
+                                       lambda extra, env: 3.0 if extra else 2.0)
+    assert [extra for extra, _ in runs] == [None, {"runtime.prompt_cache": "copied"}]
     assert got["troupe_copied_prompts_s_over_troupe_s_per_iteration"] == [1.5]
 
 
