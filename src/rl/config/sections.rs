@@ -143,8 +143,8 @@ config_section! {
         /// The attention kernel on a GPU for the forwards without gradients (rollouts,
         /// generation, scoring, evaluation): `flash` (burn-cubecl's flash kernel, no score matrix
         /// in memory), `materialized` (burn's separate kernels, the scores held) or `auto`
-        /// (`materialized`: the two are not yet timed on a GPU). The update's forward and the
-        /// CPU are unaffected.
+        /// (`materialized`). The update's forward, the CPU and a decoding step over a shared
+        /// prompt (`prompt_cache`) are unaffected.
         pub attention: AttentionKernel = AttentionKernel::Auto,
         /// How a rollout's KV cache holds the prompt a group's replies share: `shared` (once
         /// per group, beside each reply's own slots; attention reads both parts), `copied`
