@@ -327,25 +327,26 @@ pub fn generate_rows(
             Some(share) => {
                 let unique_tokens: Vec<Vec<u32>> = share.unique.iter().map(|&r| step_tokens[r].clone()).collect();
                 let unique_valid: Vec<Vec<bool>> = share.unique.iter().map(|&r| step_valid[r].clone()).collect();
-                let mut prompt_layout = SequenceLayout::new(share.unique.len());
-                let logits = if lm.shares_prompts() {
-                    // The prompts once per group, then each row's own room for its reply.
-                    let mut prompts = KvCache::new(lm.config.num_hidden_layers);
-                    let attention = prompt_layout.step(&unique_valid, &device);
-                    let args =
-                        ForwardArgs { layout: &attention, cache: Some(&mut prompts), delta: share.unique_delta() };
-                    let logits = last_logits_tensor(lm, &unique_tokens, args)?;
-                    let room = decode_room(0, options.max_new_tokens);
-                    cache = KvCache::sharing_prompts(prompts, &share.group_of_row, room, &device)?;
-                    logits
+                // The prompts once per group: into a cache of their own when the rows will share
+                // it beside each row's own room for its reply, else into the reserved cache, then
+                // copied to each row.
+                let shares = lm.shares_prompts();
+                let mut prompts =
+                    if shares { KvCache::new(lm.config.num_hidden_layers) } else { std::mem::take(&mut cache) };
+                let keys = prompts.keys_after(unique_valid[0].len());
+                let attention = SequenceLayout::new(share.unique.len()).step_within(&unique_valid, keys, &device);
+                let args = ForwardArgs { layout: &attention, cache: Some(&mut prompts), delta: share.unique_delta() };
+                let logits = last_logits_tensor(lm, &unique_tokens, args)?;
+                cache = if shares {
+                    KvCache::sharing_prompts(
+                        prompts,
+                        &share.group_of_row,
+                        decode_room(0, options.max_new_tokens),
+                        &device,
+                    )?
                 } else {
-                    // The prompts once per group, then copied to each row.
-                    let keys = cache.keys_after(unique_valid[0].len());
-                    let attention = prompt_layout.step_within(&unique_valid, keys, &device);
-                    let args = ForwardArgs { layout: &attention, cache: Some(&mut cache), delta: share.unique_delta() };
-                    let logits = last_logits_tensor(lm, &unique_tokens, args)?;
-                    cache.select_rows(&share.row_index(&device));
-                    logits
+                    prompts.select_rows(&share.row_index(&device));
+                    prompts
                 };
                 layout.extend(&step_valid);
                 StepLogits { logits, of_row: Some(share.group_of_row) }

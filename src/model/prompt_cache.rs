@@ -103,9 +103,10 @@ impl GroupLayout {
         Ok(Self { group_of_row: group_of_row.to_vec(), groups, width, order, back })
     }
 
-    /// Per row: its group.
-    pub fn group_of_row(&self) -> &[usize] {
-        &self.group_of_row
+    /// The layout of a batch whose row `i` is this batch's row `rows[i]`, in the same groups.
+    pub fn pick(&self, rows: &[usize], device: &Device) -> Self {
+        let group_of_row: Vec<usize> = rows.iter().map(|&r| self.group_of_row[r]).collect();
+        Self::new(&group_of_row, self.groups, device).expect("the rows' groups are this layout's")
     }
 
     /// `t`'s rows (dimension 0) in the layout's order: `[rows, ..]` -> `[groups * width, ..]`.

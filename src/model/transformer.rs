@@ -215,11 +215,8 @@ impl KvCache {
     /// `[new_batch, kv_heads, slots, head_dim]`
     pub fn select_rows(&mut self, rows: &Tensor<1, Int>) {
         if let Some(prompt) = self.prompt.as_mut() {
-            let of_row = prompt.groups.group_of_row();
-            let group_of_row: Vec<usize> = rows.to_data().iter::<i64>().map(|r| of_row[r as usize]).collect();
-            prompt.groups =
-                GroupLayout::new(&group_of_row, prompt.layers.first().map_or(0, |(k, _)| k.dims()[0]), &rows.device())
-                    .expect("the groups are the prompts'");
+            let picked: Vec<usize> = rows.to_data().iter::<i64>().map(|r| r as usize).collect();
+            prompt.groups = prompt.groups.pick(&picked, &rows.device());
         }
         for layer in self.layers.iter_mut() {
             if let Some((keys, values)) = layer.take() {
@@ -795,7 +792,8 @@ impl CausalLm {
 
     /// The multiple of slots a batch's rows are padded to ([`GPU_WIDTH_STEP`] on a GPU unless
     /// `TROUPE_WIDTH_STEP` says otherwise, 1 on the CPU): scoring, generation and packed
-    /// decisions pad their rows to the longest row's width rounded up to it. The results do not depend on it (padding is masked).
+    /// decisions pad their rows to the longest row's width rounded up to it. The results do not
+    /// depend on it (padding is masked).
     pub fn width_step(&self) -> usize {
         self.width_step
     }
