@@ -341,7 +341,7 @@ pub fn generate_rows(
                     KvCache::sharing_prompts(
                         prompts,
                         &share.group_of_row,
-                        decode_room(0, options.max_new_tokens),
+                        Some(decode_room(0, options.max_new_tokens)),
                         &device,
                     )?
                 } else {
@@ -587,9 +587,11 @@ pub fn checkpointed_completion_loss(
 }
 
 /// [`completion_logprobs`] over rows grouped by `share`: each distinct prefix (`row[..from - 1]`)
-/// goes through the model once, its keys and values are copied to the rows that share it
-/// ([`KvCache::select_rows`], whose backward sums the rows' gradients into the one prefix),
-/// and each row's suffix (`row[from - 1..]`) runs on top.
+/// goes through the model once, and each row's suffix (`row[from - 1..]`) runs on top, reading
+/// its prefix's keys and values held once for the rows that share it when the model shares
+/// prompts ([`CausalLm::shares_prompts`], [`KvCache::sharing_prompts`]), else copied to each
+/// of them ([`KvCache::select_rows`]); either way the backward sums the rows' gradients into
+/// the one prefix.
 fn shared_completion_logprobs(
     lm: &CausalLm,
     rows: &[&[u32]],
@@ -607,7 +609,12 @@ fn shared_completion_logprobs(
         lm.token_tensor(&prefix_tokens)?,
         ForwardArgs { layout: &prefix_layout, cache: Some(&mut cache), delta: share.unique_delta() },
     )?;
-    cache.select_rows(&share.row_index(&device));
+    let mut cache = if lm.shares_prompts() {
+        KvCache::sharing_prompts(cache, &share.group_of_row, None, &device)?
+    } else {
+        cache.select_rows(&share.row_index(&device));
+        cache
+    };
     let mut layout = SequenceLayout::new(rows.len());
     layout.extend(&share.group_of_row.iter().map(|&g| prefix_valid[g].clone()).collect::<Vec<_>>());
     let suffixes: Vec<&[u32]> = rows.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect();

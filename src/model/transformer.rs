@@ -150,9 +150,16 @@ impl KvCache {
     /// A cache whose rows continue the rows of `prompts` (every layer filled, one row per
     /// group), row `r` group `group_of_row[r]`'s, holding each group's keys and values once and
     /// reserving `capacity` slots of each row's own, written in place as
-    /// [`KvCache::with_capacity`] writes them. Attention then reads both parts
-    /// ([`super::prompt_cache::attend`]).
-    pub fn sharing_prompts(prompts: KvCache, group_of_row: &[usize], capacity: usize, device: &Device) -> Result<Self> {
+    /// [`KvCache::with_capacity`] writes them (without a capacity, each call's keys and values
+    /// are appended as [`KvCache::new`]'s are). Attention then reads both parts
+    /// ([`super::prompt_cache::attend`]). Differentiable: the prompts' gradients sum their
+    /// rows'.
+    pub fn sharing_prompts(
+        prompts: KvCache,
+        group_of_row: &[usize],
+        capacity: Option<usize>,
+        device: &Device,
+    ) -> Result<Self> {
         let slots = prompts.len();
         let layers = prompts
             .layers
@@ -164,7 +171,11 @@ impl KvCache {
             .collect::<Result<Vec<_>>>()?;
         let groups = GroupLayout::new(group_of_row, layers.first().map_or(0, |(k, _)| k.dims()[0]), device)?;
         let num_layers = layers.len();
-        Ok(Self { prompt: Some(SharedPrompt { layers, groups }), ..Self::with_capacity(num_layers, capacity) })
+        let own = match capacity {
+            Some(capacity) => Self::with_capacity(num_layers, capacity),
+            None => Self::new(num_layers),
+        };
+        Ok(Self { prompt: Some(SharedPrompt { layers, groups }), ..own })
     }
 
     /// Number of cached slots per row (a shared prompt's included).

@@ -13,7 +13,7 @@ use burn::tensor::{Tensor, TensorData};
 use troupe::adapters::optim::{adapter_grads, AdapterGrads};
 use troupe::adapters::{AdamWConfig, AdamWState, LoraAdapter, MultiAdapterManager};
 use troupe::generate::{next_token_logprobs, ScoringBatch};
-use troupe::model::Model;
+use troupe::model::{Model, PromptCache};
 
 fn setup() -> (Model, MultiAdapterManager, Vec<Vec<u32>>) {
     setup_on(&common::test_device())
@@ -290,8 +290,9 @@ fn update_batch(model: &Model) -> troupe::rl::credit::batch::TrainBatch {
 }
 
 /// The update's whole gradient pass (`Scorer::gradients`: shared prompts run once, `choice`
-/// decisions, micro-batches) on the test device, without and with activation checkpointing,
-/// against the CPU's plain pass: the loss and both fixture adapters' gradients (one on all seven
+/// decisions, micro-batches) on the test device, without and with activation checkpointing, and
+/// with each prompt's keys and values held once for its replies or copied to each, against the
+/// CPU's plain pass: the loss and both fixture adapters' gradients (one on all seven
 /// projections, one on q and v), within 1e-4 of their scale. On a GPU this runs every kernel
 /// with a backward of its own, the attention over a shared prompt's keys and values among them.
 #[test]
@@ -304,8 +305,9 @@ fn the_updates_gradient_pass_on_the_test_device_matches_the_cpus() {
         config: ObjectiveConfig { kind: ObjectiveKind::Magrpo, ..ObjectiveConfig::default() },
         kl: KlPenalty { coef: 0.0, estimator: KlEstimator::K3 },
     };
-    let pass = |device: &burn::tensor::Device, gradient_checkpointing: bool| -> GradientPass {
-        let (model, manager, _) = setup_on(device);
+    let pass = |device: &burn::tensor::Device, gradient_checkpointing: bool, cache: PromptCache| -> GradientPass {
+        let (mut model, manager, _) = setup_on(device);
+        model.lm.set_prompt_cache(cache);
         let scorer = Scorer {
             model: &model,
             manager: &manager,
@@ -319,11 +321,17 @@ fn the_updates_gradient_pass_on_the_test_device_matches_the_cpus() {
         };
         scorer.gradients(&update_batch(&model), &objective, 3).unwrap()
     };
-    let want = pass(&burn::tensor::Device::flex(), false);
+    let want = pass(&burn::tensor::Device::flex(), false, PromptCache::Copied);
     let host = |t: &Tensor<2>| -> Vec<f32> { t.to_data().convert::<f32>().try_into_vec::<f32>().unwrap() };
-    for checkpointing in [false, true] {
-        let got = pass(&common::test_device(), checkpointing);
-        let case = format!("gradient checkpointing {checkpointing}");
+    let cases = [
+        (false, PromptCache::Auto),
+        (true, PromptCache::Auto),
+        (false, PromptCache::Shared),
+        (false, PromptCache::Copied),
+    ];
+    for (checkpointing, cache) in cases {
+        let got = pass(&common::test_device(), checkpointing, cache);
+        let case = format!("gradient checkpointing {checkpointing}, prompt cache {}", cache.name());
         let loss_bound = f64::from(common::tolerance(1e-5)) * want.loss.abs().max(1.0);
         assert!((got.loss - want.loss).abs() <= loss_bound, "{case}: loss {} vs the CPU's {}", got.loss, want.loss);
         assert_eq!(got.grads.keys().collect::<Vec<_>>(), want.grads.keys().collect::<Vec<_>>(), "{case}");

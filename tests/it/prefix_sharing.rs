@@ -94,51 +94,62 @@ fn a_cache_holding_each_groups_prompt_once_decodes_what_copies_decode() {
     common::assert_same_generations(&copied, &shared, "shared against copied prompts");
 }
 
+/// Scoring replies (the update's forward and backward): rows sharing a prompt on an adapter run
+/// it once, and read its keys and values held once (`shared`, the GPU's default: one autodiff
+/// node that recomputes its probabilities in the backward) or copied to each row (`copied`, the
+/// CPU's), with prompts of two lengths and groups of uneven sizes: each row's log-probs, and the
+/// adapters' gradients, are those of the rows scored alone.
 #[test]
 fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
     let (model, manager) = setup();
     let p = encode(&model, "Player 1 hints red. What do you play?");
     let q = encode(&model, "North opens 1NT.");
     let replies = ["Play card 0.", "Discard card 3 now, then hint.", "Pass.", "Play card 2 please."];
-    let prompts = [&p, &p, &q, &p, &q];
-    let agents = [Some(0), Some(0), Some(1), Some(1), Some(1)];
+    let prompts = [&p, &p, &q, &p, &q, &p];
+    let agents = [Some(0), Some(0), Some(1), Some(1), Some(1), Some(0)];
     let rows = common::prompted_rows(&model, &prompts, &replies);
     let from: Vec<usize> = prompts.iter().map(|p| p.len()).collect();
-    let weights = [1.0, -0.5, 2.0, 0.75, -1.5];
-    let (batched, grads) = common::scored_replies(&model.lm, &manager, &rows, &from, &agents, &weights);
+    let weights = [1.0, -0.5, 2.0, 0.75, -1.5, 0.5];
+    for choice in [PromptCache::Copied, PromptCache::Shared] {
+        let mut model = model.clone();
+        model.lm.set_prompt_cache(choice);
+        let (batched, grads) = common::scored_replies(&model.lm, &manager, &rows, &from, &agents, &weights);
 
-    // The same without sharing: each row alone, gradients summed per adapter.
-    let mut summed: BTreeMap<String, AdapterGrads> = BTreeMap::new();
-    for row in 0..rows.len() {
-        let (alone, own) = common::scored_replies(
-            &model.lm,
-            &manager,
-            &rows[row..=row],
-            &from[row..=row],
-            &agents[row..=row],
-            &weights[row..=row],
-        );
-        let diff = common::max_abs_diff(&alone[0], &batched[row]);
-        assert!(
-            diff < common::tolerance(1e-5),
-            "row {row}: shared-prefix log-probs differ from the row alone by {diff}"
-        );
-        for (name, sites) in own {
-            let total = summed.entry(name).or_default();
-            for (site, (a, b)) in sites {
-                let entry = total.entry(site).or_insert_with(|| (a.zeros_like(), b.zeros_like()));
-                *entry = (entry.0.clone() + a, entry.1.clone() + b);
+        // The same without sharing: each row alone, gradients summed per adapter.
+        let mut summed: BTreeMap<String, AdapterGrads> = BTreeMap::new();
+        for row in 0..rows.len() {
+            let (alone, own) = common::scored_replies(
+                &model.lm,
+                &manager,
+                &rows[row..=row],
+                &from[row..=row],
+                &agents[row..=row],
+                &weights[row..=row],
+            );
+            let diff = common::max_abs_diff(&alone[0], &batched[row]);
+            assert!(
+                diff < common::tolerance(1e-5),
+                "{}, row {row}: shared-prefix log-probs differ from the row alone by {diff}",
+                choice.name()
+            );
+            for (name, sites) in own {
+                let total = summed.entry(name).or_default();
+                for (site, (a, b)) in sites {
+                    let entry = total.entry(site).or_insert_with(|| (a.zeros_like(), b.zeros_like()));
+                    *entry = (entry.0.clone() + a, entry.1.clone() + b);
+                }
             }
         }
-    }
-    assert_eq!(grads.keys().collect::<Vec<_>>(), summed.keys().collect::<Vec<_>>());
-    for (name, sites) in &grads {
-        let (diff, scale) = common::grad_diff(sites, &summed[name]);
-        assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
-        assert!(
-            diff < common::tolerance(1e-5) * scale.max(1.0),
-            "{name}: shared-prefix gradient differs by {diff} (scale {scale})"
-        );
+        assert_eq!(grads.keys().collect::<Vec<_>>(), summed.keys().collect::<Vec<_>>());
+        for (name, sites) in &grads {
+            let (diff, scale) = common::grad_diff(sites, &summed[name]);
+            assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
+            assert!(
+                diff < common::tolerance(1e-5) * scale.max(1.0),
+                "{}, {name}: shared-prefix gradient differs by {diff} (scale {scale})",
+                choice.name()
+            );
+        }
     }
 }
 
@@ -200,7 +211,7 @@ fn a_shared_prompt_cache_picks_rows_as_a_copied_one_does() {
     let index = |rows: &[i64]| Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [rows.len()]), &device);
     // Rows 0 and 2 on prompt p, row 1 on q; then rows 1, 2 (row 0 dropped: q's row first).
     let group_of_row = [0usize, 1, 0];
-    let mut shared = KvCache::sharing_prompts(filled.clone(), &group_of_row, 8, &device).unwrap();
+    let mut shared = KvCache::sharing_prompts(filled.clone(), &group_of_row, Some(8), &device).unwrap();
     let mut copied = filled;
     copied.select_rows(&index(&[0, 1, 0]));
     let next = |cache: &mut KvCache| {

@@ -146,11 +146,13 @@ config_section! {
         /// (`materialized`). The update's forward, the CPU and a decoding step over a shared
         /// prompt (`prompt_cache`) are unaffected.
         pub attention: AttentionKernel = AttentionKernel::Auto,
-        /// How a rollout's KV cache holds the prompt a group's replies share: `shared` (once
-        /// per group, beside each reply's own slots; attention reads both parts), `copied`
-        /// (each reply's row holds its own copy) or `auto` (`shared` on a GPU, `copied` on the
-        /// CPU). The same next-token distributions within float rounding; `shared` holds and
-        /// reads far fewer keys and values when prompts are long beside the replies.
+        /// How a rollout's KV cache, and the update's scoring, hold the prompt a group's
+        /// replies share: `shared` (once per group, beside each reply's own slots; attention
+        /// reads both parts, and in the update keeps no per-reply copy and no probabilities),
+        /// `copied` (each reply's row holds its own copy) or `auto` (`shared` on a GPU, `copied`
+        /// on the CPU). The same next-token distributions and gradients within float rounding;
+        /// `shared` holds and reads far fewer keys and values when prompts are long beside the
+        /// replies.
         pub prompt_cache: PromptCache = PromptCache::Auto,
     }
 }

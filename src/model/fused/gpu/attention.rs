@@ -297,6 +297,15 @@ impl Backward<Cube, 3> for AttendBackward {
     }
 }
 
+/// The scores' gradient `scale * p * (dp - rowsum(p * dp))` from plain f32 tensors on a cubecl
+/// device ([`super::takes`]), one launch.
+///
+/// # Shapes
+/// `p`, `dp`: `[batch, heads, rows, keys]` -> like `p` (contiguous)
+pub fn softmax_grad(p: Tensor<4>, dp: Tensor<4>, scale: f32) -> Tensor<4> {
+    plain(softmax_backward(into_primitive(p), into_primitive(dp), scale))
+}
+
 /// The scores' gradient `scale * p * (dp - rowsum(p * dp))`, one launch.
 ///
 /// # Shapes

@@ -56,7 +56,7 @@ mod swiglu;
 mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
-pub use attention::{attention, attention_tracked, masked_softmax};
+pub use attention::{attention, attention_tracked, masked_softmax, softmax_grad};
 pub use linear::{frozen_linear, frozen_linear_backward};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
 pub use norm_rope::rms_norm_rope;

@@ -12,11 +12,17 @@
 //! 384-token prompt) the shared cache is about a third of the copied one, and a decoding step
 //! reads a third of the keys and values. The sums run in another order than one product over
 //! the copied cache: the outputs agree within float rounding.
+//!
+//! The update scores a group's replies the same way: its prompt runs once and every reply
+//! attends to it in place, under autodiff one node ([`tracked`]) that keeps no probabilities and
+//! no per-row copy of the prompt, and recomputes the scores in its backward.
 
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
+
+mod tracked;
 
 /// `runtime.prompt_cache`: how a generation's cache holds a prompt several rows share.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -69,6 +75,9 @@ pub struct GroupLayout {
     order: Option<Tensor<1, Int>>,
     /// `[rows]`: each row's place in the layout, when it is not the identity.
     back: Option<Tensor<1, Int>>,
+    /// `[groups * width]`: 1 at each place a row holds, 0 where a place repeats a row (a group
+    /// short of `width` rows), when some place does.
+    held: Option<Tensor<1>>,
 }
 
 impl GroupLayout {
@@ -85,6 +94,7 @@ impl GroupLayout {
         let width = members.iter().map(Vec::len).max().unwrap_or(0);
         let mut order = Vec::with_capacity(groups * width);
         let mut back = vec![0i64; group_of_row.len()];
+        let mut held = Vec::with_capacity(groups * width);
         for (g, rows) in members.iter().enumerate() {
             for i in 0..width {
                 let row = rows.get(i).or(rows.first()).copied().unwrap_or(0);
@@ -92,21 +102,36 @@ impl GroupLayout {
                     back[row] = (g * width + i) as i64;
                 }
                 order.push(row as i64);
+                held.push(if i < rows.len() { 1.0f32 } else { 0.0 });
             }
         }
+        let repeats = held.contains(&0.0);
+        let held = repeats.then(|| Tensor::<1>::from_data(TensorData::new(held, [groups * width]), device));
         let identity = order.len() == group_of_row.len() && order.iter().enumerate().all(|(i, &r)| r == i as i64);
         let index = |values: Vec<i64>| {
             let len = values.len();
             Tensor::<1, Int>::from_data(TensorData::new(values, [len]), device)
         };
         let (order, back) = if identity { (None, None) } else { (Some(index(order)), Some(index(back))) };
-        Ok(Self { group_of_row: group_of_row.to_vec(), groups, width, order, back })
+        Ok(Self { group_of_row: group_of_row.to_vec(), groups, width, order, back, held })
     }
 
     /// The layout of a batch whose row `i` is this batch's row `rows[i]`, in the same groups.
     pub fn pick(&self, rows: &[usize], device: &Device) -> Self {
         let group_of_row: Vec<usize> = rows.iter().map(|&r| self.group_of_row[r]).collect();
         Self::new(&group_of_row, self.groups, device).expect("the rows' groups are this layout's")
+    }
+
+    /// The same layout with its index tensors outside autodiff (what an autodiff node keeps).
+    fn without_autodiff(&self) -> Self {
+        Self {
+            group_of_row: self.group_of_row.clone(),
+            order: self.order.clone().map(Tensor::without_autodiff),
+            back: self.back.clone().map(Tensor::without_autodiff),
+            held: self.held.clone().map(Tensor::without_autodiff),
+            groups: self.groups,
+            width: self.width,
+        }
     }
 
     /// `t`'s rows (dimension 0) in the layout's order: `[rows, ..]` -> `[groups * width, ..]`.
@@ -123,6 +148,51 @@ impl GroupLayout {
             Some(back) => t.select(0, back.clone()),
             None => t,
         }
+    }
+
+    /// A group's rows side by side, as one product over the group's prompt reads them.
+    ///
+    /// # Shapes
+    /// `t`: `[rows, kv_heads, folded, x]` -> `[groups, kv_heads, width * folded, x]`
+    fn by_group(&self, t: Tensor<4>) -> Tensor<4> {
+        self.side_by_side(self.gather(t))
+    }
+
+    /// [`GroupLayout::by_group`] with the places that repeat a row zeroed, for a product that
+    /// sums over a group's rows (a prompt's gradients): each row then counts once.
+    ///
+    /// # Shapes
+    /// `t`: `[rows, kv_heads, folded, x]` -> `[groups, kv_heads, width * folded, x]`
+    fn by_group_once(&self, t: Tensor<4>) -> Tensor<4> {
+        let gathered = self.gather(t);
+        match &self.held {
+            Some(held) => {
+                let places = held.dims()[0];
+                self.side_by_side(gathered * held.clone().reshape([places, 1, 1, 1]))
+            }
+            None => self.side_by_side(gathered),
+        }
+    }
+
+    /// `[groups * width, kv_heads, folded, x]` -> `[groups, kv_heads, width * folded, x]`
+    fn side_by_side(&self, t: Tensor<4>) -> Tensor<4> {
+        let [_, kv_heads, folded, last] = t.dims();
+        t.reshape([self.groups, self.width, kv_heads, folded, last]).swap_dims(1, 2).reshape([
+            self.groups,
+            kv_heads,
+            self.width * folded,
+            last,
+        ])
+    }
+
+    /// The inverse of [`GroupLayout::by_group`], each row's place read back.
+    ///
+    /// # Shapes
+    /// `t`: `[groups, kv_heads, width * folded, x]` -> `[rows, kv_heads, folded, x]`
+    fn by_row(&self, t: Tensor<4>, folded: usize) -> Tensor<4> {
+        let [groups, kv_heads, _, last] = t.dims();
+        let t = t.reshape([groups, kv_heads, self.width, folded, last]).swap_dims(1, 2);
+        self.scatter(t.reshape([groups * self.width, kv_heads, folded, last]))
     }
 }
 
@@ -152,7 +222,8 @@ impl SharedPrompt {
 /// followed by its own slots computes. The query heads of each key/value head are folded into
 /// its rows, as the other attentions fold them, so no key or value head is repeated. A query
 /// that may see no key gets zeros on a GPU and equal weights elsewhere (no generation asks
-/// for one: every query sees its own slot or its prompt).
+/// for one: every query sees its own slot or its prompt). Under autodiff (the update's scoring)
+/// it is one node whose backward recomputes the probabilities ([`tracked`]).
 ///
 /// # Shapes
 /// `q`: `[rows, heads, seq, head_dim]`; `prompt`: `[groups, kv_heads, prompt, head_dim]` each;
@@ -166,36 +237,75 @@ pub fn attend(
     mask: &Tensor<4, Bool>,
 ) -> Tensor<4> {
     let [rows, heads, seq, head_dim] = q.dims();
-    let (prompt_k, prompt_v) = prompt;
-    let (own_k, own_v) = own;
-    let [group_count, kv_heads, prompt_len, _] = prompt_k.dims();
-    let reply_len = own_k.dims()[2];
-    debug_assert_eq!(group_count, groups.groups, "one prompt per group");
-    let (width, folded) = (groups.width, heads / kv_heads * seq);
-    let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
+    let kv_heads = prompt.0.dims()[1];
+    debug_assert_eq!(prompt.0.dims()[0], groups.groups, "one prompt per group");
+    let parts = TwoParts { groups, mask, scale: (1.0 / (head_dim as f64).sqrt()) as f32 };
     // Query head `h` reads key/value head `h / (heads / kv_heads)`: `[rows, kv_heads, folded, d]`.
-    let q = q.reshape([rows, kv_heads, folded, head_dim]);
-    // A group's rows side by side: `[rows, kv, folded, x]` <-> `[groups, kv, width * folded, x]`.
-    let by_group = |t: Tensor<4>| {
-        let last = t.dims()[3];
-        groups.gather(t).reshape([group_count, width, kv_heads, folded, last]).swap_dims(1, 2).reshape([
-            group_count,
-            kv_heads,
-            width * folded,
-            last,
-        ])
+    let q = q.reshape([rows, kv_heads, heads / kv_heads * seq, head_dim]);
+    let inputs = [q, prompt.0, prompt.1, own.0, own.1];
+    let out = if inputs.iter().any(Tensor::is_autodiff) {
+        match tracked::attend(&parts, &inputs) {
+            Some(out) => out,
+            // Autodiff through the operations (other backends): what the node computes.
+            None => parts.forward(&inputs),
+        }
+    } else {
+        parts.forward(&inputs)
     };
-    let by_row = |t: Tensor<4>| {
-        let last = t.dims()[3];
-        let t = t.reshape([group_count, kv_heads, width, folded, last]).swap_dims(1, 2);
-        groups.scatter(t.reshape([group_count * width, kv_heads, folded, last]))
-    };
-    let prompt_scores = by_row(by_group(q.clone()).matmul(prompt_k.swap_dims(2, 3)));
-    let own_scores = q.matmul(own_k.swap_dims(2, 3));
-    let probs = masked_softmax(Tensor::cat(vec![prompt_scores, own_scores], 3), mask, scale);
-    let from_prompt = by_row(by_group(probs.clone().narrow(3, 0, prompt_len)).matmul(prompt_v));
-    let from_own = probs.narrow(3, prompt_len, reply_len).matmul(own_v);
-    (from_prompt + from_own).reshape([rows, heads, seq, head_dim])
+    out.reshape([rows, heads, seq, head_dim])
+}
+
+/// The two-part attention's fixed arguments: which rows read which prompt, the mask, the scale.
+#[derive(Clone, Copy)]
+struct TwoParts<'a> {
+    groups: &'a GroupLayout,
+    /// `[rows, 1, seq, prompt + reply]` (`true`: hidden)
+    mask: &'a Tensor<4, Bool>,
+    scale: f32,
+}
+
+impl TwoParts<'_> {
+    /// The attention's output.
+    ///
+    /// # Shapes
+    /// `[q, prompt_k, prompt_v, own_k, own_v]`: `[rows, kv_heads, folded, d]`, two
+    /// `[groups, kv_heads, prompt, d]`, two `[rows, kv_heads, reply, d]` ->
+    /// `[rows, kv_heads, folded, d]`
+    fn forward(&self, [q, prompt_k, prompt_v, own_k, own_v]: &[Tensor<4>; 5]) -> Tensor<4> {
+        let probs = self.probabilities(q, prompt_k, own_k);
+        self.weighted(probs, prompt_v, own_v)
+    }
+
+    /// The probabilities over the prompt's keys and the row's own, joined: the scores of a
+    /// group's rows against its prompt in one product, of every row against its own keys in
+    /// another, one masked softmax over both.
+    ///
+    /// # Shapes
+    /// `q`: `[rows, kv_heads, folded, d]`, `prompt_k`: `[groups, kv_heads, prompt, d]`, `own_k`:
+    /// `[rows, kv_heads, reply, d]` -> `[rows, kv_heads, folded, prompt + reply]`
+    fn probabilities(&self, q: &Tensor<4>, prompt_k: &Tensor<4>, own_k: &Tensor<4>) -> Tensor<4> {
+        let folded = q.dims()[2];
+        let groups = self.groups;
+        let prompt_scores = groups.by_row(groups.by_group(q.clone()).matmul(prompt_k.clone().swap_dims(2, 3)), folded);
+        let own_scores = q.clone().matmul(own_k.clone().swap_dims(2, 3));
+        masked_softmax(Tensor::cat(vec![prompt_scores, own_scores], 3), self.mask, self.scale)
+    }
+
+    /// Each part's values weighted by its probabilities, summed.
+    ///
+    /// # Shapes
+    /// `probs`: `[rows, kv_heads, folded, prompt + reply]`, `prompt_v`:
+    /// `[groups, kv_heads, prompt, d]`, `own_v`: `[rows, kv_heads, reply, d]` ->
+    /// `[rows, kv_heads, folded, d]`
+    fn weighted(&self, probs: Tensor<4>, prompt_v: &Tensor<4>, own_v: &Tensor<4>) -> Tensor<4> {
+        let [_, _, folded, keys] = probs.dims();
+        let prompt_len = prompt_v.dims()[2];
+        let groups = self.groups;
+        let from_prompt =
+            groups.by_row(groups.by_group(probs.clone().narrow(3, 0, prompt_len)).matmul(prompt_v.clone()), folded);
+        let from_own = probs.narrow(3, prompt_len, keys - prompt_len).matmul(own_v.clone());
+        from_prompt + from_own
+    }
 }
 
 /// `softmax(scores * scale)` over the keys `mask` leaves visible: troupe's kernel on a GPU,
@@ -293,5 +403,77 @@ mod tests {
         assert_eq!(got.len(), want.len());
         let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(worst < 1e-5, "largest difference {worst}");
+    }
+
+    /// Under autodiff the two-part attention is one node that recomputes its probabilities in
+    /// the backward: its output and the gradients of the queries, each group's prompt keys and
+    /// values and each row's own, against burn's autodiff through attention over each row's
+    /// copy of its prompt joined to its own keys (the copies' gradients summed into the prompt
+    /// they came from). Scattered groups of uneven sizes (places that repeat a row), grouped
+    /// query heads, left padding and causal masking; a group without rows gets no gradient.
+    #[test]
+    fn the_two_part_attentions_gradients_match_autodiff_through_each_rows_copy() {
+        use burn::tensor::Distribution;
+        let device = Device::flex().autodiff();
+        let (heads, kv_heads, seq, head_dim, prompt_len, reply_len) = (4, 2, 3, 8, 5, 6);
+        let group_of_row = [1usize, 0, 1, 1, 3];
+        let (rows, groups) = (group_of_row.len(), 4);
+        let layout = GroupLayout::new(&group_of_row, groups, &device).unwrap();
+        assert!(layout.held.is_some(), "some places repeat a row");
+        let random = |dims: [usize; 4]| Tensor::<4>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+        let inputs = [
+            random([rows, heads, seq, head_dim]),
+            random([groups, kv_heads, prompt_len, head_dim]),
+            random([groups, kv_heads, prompt_len, head_dim]),
+            random([rows, kv_heads, reply_len, head_dim]),
+            random([rows, kv_heads, reply_len, head_dim]),
+        ];
+        let keys = prompt_len + reply_len;
+        let hidden: Vec<bool> = (0..rows)
+            .flat_map(|r| {
+                (0..seq)
+                    .flat_map(move |i| (0..keys).map(move |key| key < r || (key >= prompt_len && key > prompt_len + i)))
+            })
+            .collect();
+        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden, [rows, 1, seq, keys]), &device);
+        let weights = random([rows, heads, seq, head_dim]);
+        let leaves = || inputs.clone().map(|t| t.detach().require_grad());
+        let values = |t: Tensor<4>| t.into_data().try_into_vec::<f32>().unwrap();
+
+        let ours = leaves();
+        let [q, pk, pv, ok, ov] = ours.clone();
+        // The node takes these tensors (else `attend` differentiates its operations).
+        let folded = q.clone().reshape([rows, kv_heads, heads / kv_heads * seq, head_dim]);
+        let parts = TwoParts { groups: &layout, mask: &mask, scale: (1.0 / (head_dim as f64).sqrt()) as f32 };
+        let node_inputs = [folded, pk.clone(), pv.clone(), ok.clone(), ov.clone()];
+        assert!(tracked::attend(&parts, &node_inputs).is_some(), "the node runs on the CPU");
+        let out = attend(q, (pk, pv), &layout, (ok, ov), &mask);
+        let got_out = values(out.clone().detach());
+        let grads = (out * weights.clone()).sum().backward();
+
+        let theirs = leaves();
+        let [q, pk, pv, ok, ov] = theirs.clone();
+        let index: Vec<i64> = group_of_row.iter().map(|&g| g as i64).collect();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(index, [rows]), &device);
+        let k = Tensor::cat(vec![pk.select(0, index.clone()), ok], 2);
+        let v = Tensor::cat(vec![pv.select(0, index), ov], 2);
+        let expected = super::super::fused::grouped_attention(q, k, v, &mask);
+        let want_out = values(expected.clone().detach());
+        let expected_grads = (expected * weights).sum().backward();
+
+        let worst = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(worst(&got_out, &want_out) < 1e-5, "output off by {}", worst(&got_out, &want_out));
+        for (i, name) in ["q", "prompt_k", "prompt_v", "own_k", "own_v"].into_iter().enumerate() {
+            let got = values(ours[i].grad(&grads).expect("a gradient"));
+            let want = values(theirs[i].grad(&expected_grads).expect("a gradient"));
+            let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            assert!(scale > 1e-3, "{name}: the gradient is not trivially zero");
+            assert!(worst(&got, &want) < 1e-5 * scale.max(1.0), "{name}: off by {}", worst(&got, &want));
+            if name.starts_with("prompt") {
+                // Group 2 has no rows: its prompt gets no gradient.
+                let group = prompt_len * kv_heads * head_dim;
+                assert!(got[2 * group..3 * group].iter().all(|&g| g == 0.0), "{name}: group 2 untouched");
+            }
+        }
     }
 }
