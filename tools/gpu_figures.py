@@ -315,8 +315,8 @@ def main():
                         "separated by commas, to compare with the default (8 on a GPU)")
     p.add_argument("--copied-prompts", action="store_true",
                    help="after each --preset's iterations, the same run with each reply's row holding its own copy "
-                        "of its group's prompt in the rollout's cache (runtime.prompt_cache=copied), to compare "
-                        "seconds and memory with the default (held once per group on a GPU)")
+                        "of its group's prompt in the rollout's cache and the update (runtime.prompt_cache=copied), "
+                        "to compare seconds and memory with the default (held once per group on a GPU)")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")

@@ -12,10 +12,13 @@
 //! order.
 //!
 //! Under autodiff (the update) the same forward is one autodiff node over the queries, keys and
-//! values ([`attention_tracked`]) that keeps the probabilities, and its backward is four products
-//! around one kernel: `dv = p^T do`, `dp = do v^T`, `ds = scale p (dp - rowsum(p dp))` (the
-//! kernel, one cube a row), `dq = ds k`, `dk = ds^T q`. burn differentiates its composite one
-//! operation at a time: each of the nine kernels' backwards, and the mask's repeat.
+//! values ([`attention_tracked`]) that keeps only them and the mask: its backward recomputes the
+//! probabilities (the scores' product and the softmax kernel, as FlashAttention's backward does,
+//! so no `[rows, heads, seq, keys]` tensor is held between a layer's forward and its backward),
+//! then four products around one kernel: `dv = p^T do`, `dp = do v^T`,
+//! `ds = scale p (dp - rowsum(p dp))` (the kernel, one cube a row), `dq = ds k`, `dk = ds^T q`.
+//! burn differentiates its composite one operation at a time, keeping each of the nine kernels'
+//! intermediates, and repeats the mask.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -247,16 +250,26 @@ impl TrackedOp<3> for Attend {
     ) -> FloatTensor<Autodiff<Cube, C>> {
         let parents = [qa.node(), ka.node(), va.node()];
         let (q, k, v) = (plain(qa.into_primitive()), plain(ka.into_primitive()), plain(va.into_primitive()));
-        let p = masked_softmax(q.clone().matmul(k.clone().transpose()), &self.mask, self.scale);
-        let out = into_primitive(p.clone().matmul(v.clone()));
+        let out = into_primitive(self.probabilities(&q, &k).matmul(v.clone()));
         match AttendBackward.prepare::<C>(parents).compute_bound().stateful() {
-            OpsKind::Tracked(prep) => prep.finish(Saved { q, k, v, p, scale: self.scale }, out),
+            OpsKind::Tracked(prep) => prep.finish(Saved { q, k, v, attend: self }, out),
             OpsKind::UnTracked(prep) => prep.finish(out),
         }
     }
 }
 
-/// What the attention's backward reads: its inputs and the probabilities.
+impl Attend {
+    /// The attention's probabilities, the forward's and the backward's alike.
+    ///
+    /// # Shapes
+    /// `q`: `[batch, kv_heads, rows, head_dim]`, `k`: `[batch, kv_heads, keys, head_dim]` ->
+    /// `[batch, kv_heads, rows, keys]`, contiguous
+    fn probabilities(&self, q: &Tensor<4>, k: &Tensor<4>) -> Tensor<4> {
+        masked_softmax(q.clone().matmul(k.clone().transpose()), &self.mask, self.scale)
+    }
+}
+
+/// What the attention's backward reads: its inputs and the mask.
 #[derive(Clone, Debug)]
 struct Saved {
     /// `[batch, kv_heads, rows, head_dim]` (the folded queries)
@@ -265,9 +278,7 @@ struct Saved {
     k: Tensor<4>,
     /// `[batch, kv_heads, keys, head_dim]`
     v: Tensor<4>,
-    /// `[batch, kv_heads, rows, keys]`, contiguous
-    p: Tensor<4>,
-    scale: f32,
+    attend: Attend,
 }
 
 /// The backward of [`Attend`].
@@ -280,7 +291,8 @@ impl Backward<Cube, 3> for AttendBackward {
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _checkpointer: &mut Checkpointer) {
         let [node_q, node_k, node_v] = ops.parents;
         let grad = plain(grads.consume::<Cube>(&ops.node));
-        let Saved { q, k, v, p, scale } = ops.state;
+        let Saved { q, k, v, attend } = ops.state;
+        let (p, scale) = (attend.probabilities(&q, &k), attend.scale);
         if let Some(node) = node_v {
             grads.register::<Cube>(node.id, into_primitive(p.clone().transpose().matmul(grad.clone())));
         }
