@@ -366,12 +366,50 @@ mod tests {
         assert_eq!(back.into_data().try_into_vec::<f32>().unwrap(), rows.into_data().try_into_vec::<f32>().unwrap());
     }
 
+    /// A mask where row `r` hides its first `r` prompt slots (left padding) and the reply slots
+    /// past each query's own (causal, the room beyond unwritten).
+    ///
+    /// # Shapes
+    /// -> `[rows, 1, seq, prompt_len + reply_len]`
+    fn padded_causal_mask(
+        rows: usize,
+        seq: usize,
+        prompt_len: usize,
+        reply_len: usize,
+        device: &Device,
+    ) -> Tensor<4, Bool> {
+        let keys = prompt_len + reply_len;
+        let hidden: Vec<bool> = (0..rows)
+            .flat_map(|r| {
+                (0..seq)
+                    .flat_map(move |i| (0..keys).map(move |key| key < r || (key >= prompt_len && key > prompt_len + i)))
+            })
+            .collect();
+        Tensor::<4, Bool>::from_data(TensorData::new(hidden, [rows, 1, seq, keys]), device)
+    }
+
+    /// burn's attention over each row's copy of its group's prompt joined to its own keys and
+    /// values: what [`attend`] computes without the copies.
+    fn attend_each_rows_copy(
+        q: Tensor<4>,
+        (prompt_k, prompt_v): (Tensor<4>, Tensor<4>),
+        group_of_row: &[usize],
+        (own_k, own_v): (Tensor<4>, Tensor<4>),
+        mask: &Tensor<4, Bool>,
+    ) -> Tensor<4> {
+        let index: Vec<i64> = group_of_row.iter().map(|&g| g as i64).collect();
+        let index = Tensor::<1, Int>::from_data(TensorData::new(index, [group_of_row.len()]), &q.device());
+        let k = Tensor::cat(vec![prompt_k.select(0, index.clone()), own_k], 2);
+        let v = Tensor::cat(vec![prompt_v.select(0, index), own_v], 2);
+        super::super::fused::grouped_attention(q, k, v, mask)
+    }
+
     /// Attention over the two parts against attention over each row's copy of its prompt
     /// joined to its own keys (burn's attention), with query heads sharing key/value heads,
     /// scattered groups of different sizes, several queries per row and masked slots.
     #[test]
     fn attending_the_two_parts_matches_attending_each_rows_copy() {
-        use burn::tensor::{Distribution, TensorData};
+        use burn::tensor::Distribution;
         let device = Device::flex();
         let (heads, kv_heads, seq, head_dim, prompt_len, reply_len) = (4, 2, 3, 8, 5, 6);
         let group_of_row = [1usize, 0, 1, 1, 2];
@@ -381,23 +419,10 @@ mod tests {
         let q = random([rows, heads, seq, head_dim]);
         let (pk, pv) = (random([3, kv_heads, prompt_len, head_dim]), random([3, kv_heads, prompt_len, head_dim]));
         let (ok, ov) = (random([rows, kv_heads, reply_len, head_dim]), random([rows, kv_heads, reply_len, head_dim]));
-        // Row r hides its first r prompt slots (left padding) and the reply slots past its
-        // queries' (causal, the room beyond unwritten).
-        let keys = prompt_len + reply_len;
-        let hidden: Vec<bool> = (0..rows)
-            .flat_map(|r| {
-                (0..seq)
-                    .flat_map(move |i| (0..keys).map(move |key| key < r || (key >= prompt_len && key > prompt_len + i)))
-            })
-            .collect();
-        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden, [rows, 1, seq, keys]), &device);
+        let mask = padded_causal_mask(rows, seq, prompt_len, reply_len, &device);
         let out = attend(q.clone(), (pk.clone(), pv.clone()), &layout, (ok.clone(), ov.clone()), &mask);
 
-        let index: Vec<i64> = group_of_row.iter().map(|&g| g as i64).collect();
-        let index = Tensor::<1, Int>::from_data(TensorData::new(index, [rows]), &device);
-        let k = Tensor::cat(vec![pk.select(0, index.clone()), ok], 2);
-        let v = Tensor::cat(vec![pv.select(0, index), ov], 2);
-        let expected = super::super::fused::grouped_attention(q, k, v, &mask);
+        let expected = attend_each_rows_copy(q, (pk, pv), &group_of_row, (ok, ov), &mask);
         let (got, want) =
             (out.into_data().try_into_vec::<f32>().unwrap(), expected.into_data().try_into_vec::<f32>().unwrap());
         assert_eq!(got.len(), want.len());
@@ -428,14 +453,7 @@ mod tests {
             random([rows, kv_heads, reply_len, head_dim]),
             random([rows, kv_heads, reply_len, head_dim]),
         ];
-        let keys = prompt_len + reply_len;
-        let hidden: Vec<bool> = (0..rows)
-            .flat_map(|r| {
-                (0..seq)
-                    .flat_map(move |i| (0..keys).map(move |key| key < r || (key >= prompt_len && key > prompt_len + i)))
-            })
-            .collect();
-        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden, [rows, 1, seq, keys]), &device);
+        let mask = padded_causal_mask(rows, seq, prompt_len, reply_len, &device);
         let weights = random([rows, heads, seq, head_dim]);
         let leaves = || inputs.clone().map(|t| t.detach().require_grad());
         let values = |t: Tensor<4>| t.into_data().try_into_vec::<f32>().unwrap();
@@ -453,11 +471,7 @@ mod tests {
 
         let theirs = leaves();
         let [q, pk, pv, ok, ov] = theirs.clone();
-        let index: Vec<i64> = group_of_row.iter().map(|&g| g as i64).collect();
-        let index = Tensor::<1, Int>::from_data(TensorData::new(index, [rows]), &device);
-        let k = Tensor::cat(vec![pk.select(0, index.clone()), ok], 2);
-        let v = Tensor::cat(vec![pv.select(0, index), ov], 2);
-        let expected = super::super::fused::grouped_attention(q, k, v, &mask);
+        let expected = attend_each_rows_copy(q, (pk, pv), &group_of_row, (ok, ov), &mask);
         let want_out = values(expected.clone().detach());
         let expected_grads = (expected * weights).sum().backward();
 
