@@ -11,8 +11,8 @@
 //! LM head's likewise, attention's the gradients of the queries, keys and values (four
 //! products, twice its forward's two). So a training step through the base is about twice its
 //! forward, not the three times of full fine-tuning's MFU convention (which counts the weights'
-//! gradients too). Recomputation (activation checkpointing) is not useful work and is not
-//! counted.
+//! gradients too). Recomputation (activation checkpointing, and on a GPU the attention's scores
+//! recomputed in its backward) is not useful work and is not counted.
 
 use crate::model::ModelConfig;
 
