@@ -29,8 +29,9 @@
 //!   one kernel writing that product's whole gradient.
 //! - [`stacked_parts_tracked`]: the stacked q/k/v projection's parts, each differentiated
 //!   through its own rows of the weight.
-//! - [`attention_tracked`]: the attention's two products around the softmax kernel as one node,
-//!   its backward four products around one kernel.
+//! - [`attention_tracked`]: the attention's two products around the softmax kernel as one node
+//!   keeping no probabilities, its backward recomputing them, then four products around one
+//!   kernel.
 //!
 //! For other dtypes and with `TROUPE_GPU_KERNELS=burn`, burn's composites run.
 
