@@ -140,16 +140,7 @@ fn rows_sharing_a_prompt_score_and_train_as_each_row_alone() {
                 }
             }
         }
-        assert_eq!(grads.keys().collect::<Vec<_>>(), summed.keys().collect::<Vec<_>>());
-        for (name, sites) in &grads {
-            let (diff, scale) = common::grad_diff(sites, &summed[name]);
-            assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
-            assert!(
-                diff < common::tolerance(1e-5) * scale.max(1.0),
-                "{}, {name}: shared-prefix gradient differs by {diff} (scale {scale})",
-                choice.name()
-            );
-        }
+        common::assert_same_adapter_grads(&grads, &summed, &format!("{}: shared prefixes", choice.name()));
     }
 }
 

@@ -50,16 +50,7 @@ fn padded_rows_score_and_train_as_rows_padded_to_the_longest() {
                     lm.width_step()
                 );
             }
-            assert_eq!(want_grads.keys().collect::<Vec<_>>(), grads.keys().collect::<Vec<_>>());
-            for (name, sites) in &want_grads {
-                let (diff, scale) = common::grad_diff(sites, &grads[name]);
-                assert!(scale > 1e-4, "{name}: the gradient is not trivially zero");
-                assert!(
-                    diff < common::tolerance(1e-5) * scale.max(1.0),
-                    "step {}, {name}: gradients differ by {diff} (scale {scale})",
-                    lm.width_step()
-                );
-            }
+            common::assert_same_adapter_grads(&want_grads, &grads, &format!("step {}", lm.width_step()));
         }
     }
 }

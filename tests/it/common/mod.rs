@@ -319,6 +319,22 @@ pub fn grad_diff(a: &troupe::adapters::optim::AdapterGrads, b: &troupe::adapters
     (diff, scale)
 }
 
+/// Both sets of adapters' gradients name the same adapters, and each adapter's differ by less
+/// than [`tolerance`]`(1e-5)` at their scale (which must not be trivially zero); `what` names the
+/// case in a failure.
+pub fn assert_same_adapter_grads(
+    want: &std::collections::BTreeMap<String, troupe::adapters::optim::AdapterGrads>,
+    got: &std::collections::BTreeMap<String, troupe::adapters::optim::AdapterGrads>,
+    what: &str,
+) {
+    assert_eq!(want.keys().collect::<Vec<_>>(), got.keys().collect::<Vec<_>>(), "{what}: the same adapters");
+    for (name, sites) in want {
+        let (diff, scale) = grad_diff(sites, &got[name]);
+        assert!(scale > 1e-4, "{what}, {name}: the gradient is not trivially zero");
+        assert!(diff < tolerance(1e-5) * scale.max(1.0), "{what}, {name}: gradients differ by {diff} (scale {scale})");
+    }
+}
+
 /// Each row's reply log-probs (`completion_logprobs` from `from[row]`, on `agents[row]`'s adapter,
 /// one batch), and the adapters' gradients of `sum(weights[row] x logprobs)`.
 pub fn scored_replies(
