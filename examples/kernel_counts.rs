@@ -147,6 +147,38 @@ mod counts {
             let one = run(1);
             let nine = run(9);
             report("decode b16, two adapters, per token", &diff(&nine, &one), 8.0);
+
+            // A GRPO rollout's decoding: two groups of 8 replies to one prompt (48 tokens) each,
+            // group g on agent g's adapter, the prompt held once per group (`shared`) and copied
+            // to each row (`copied`).
+            let agents: Vec<Option<usize>> = (0..16).map(|i| Some(i / 8)).collect();
+            let group_prompts = rows(&mut rng, 2, 48);
+            let prompts: Vec<Vec<u32>> = (0..16).map(|i| group_prompts[i / 8].clone()).collect();
+            let mut lm = model.lm.clone();
+            for cache in
+                [troupe::model::prompt_cache::PromptCache::Shared, troupe::model::prompt_cache::PromptCache::Copied]
+            {
+                lm.set_prompt_cache(cache);
+                let run = |n| {
+                    let options = GenerateOptions {
+                        max_new_tokens: n,
+                        sampling: SamplingConfig::greedy(),
+                        seed: 0,
+                        stop_at_eos: false,
+                        use_cache: true,
+                    };
+                    let (delta, _) = manager.mixed(&agents, false).unwrap();
+                    counted(|| generate(&lm, &[], &prompts, &options, Some(&delta)).unwrap()).1
+                };
+                run(9);
+                let one = run(1);
+                let nine = run(9);
+                report(
+                    &format!("decode b16 in 2 groups of 8, two adapters, prompt cache {}, per token", cache.name()),
+                    &diff(&nine, &one),
+                    8.0,
+                );
+            }
         }
         if want("prefill") {
             let r = rows(&mut rng, 1, 128);

@@ -184,7 +184,7 @@ impl CausalLm {
             let mut args = ForwardArgs { layout: stream.layout, cache: cache.as_mut(), delta };
             let decoder = &self.layers[layer];
             if last && !stream.output {
-                decoder.fill_cache(input, layer, rope, &mut args);
+                decoder.fill_cache(input.into(), layer, rope, &mut args);
                 out.push(None);
             } else {
                 out.push(Some(decoder.forward(input, layer, rope, &mut args)));

@@ -522,24 +522,42 @@ impl Attention {
         }
     }
 
-    /// The q/k/v projection (one product): the queries as projected, the keys normed and
-    /// rotated, the values.
+    /// The queries and keys as rotated heads ([`Attention::rotated_heads`]), with Qwen3's
+    /// per-head norms in one kernel for both on a GPU ([`super::fused::rms_norm_rope_pair`]).
+    ///
+    /// # Shapes
+    /// `q`: `[batch, seq, heads, head_dim]`, `k`: `[batch, seq, kv_heads, head_dim]` ->
+    /// `[batch, heads, seq, head_dim]`, `[batch, kv_heads, seq, head_dim]`
+    fn rotated_queries_and_keys(
+        &self,
+        q: Tensor<4>,
+        k: Tensor<4>,
+        rope: (&Tensor<4>, &Tensor<4>),
+    ) -> (Tensor<4>, Tensor<4>) {
+        match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) => {
+                super::fused::rms_norm_rope_pair((q, &qn.weight, qn.eps), (k, &kn.weight, kn.eps), rope.0, rope.1)
+            }
+            _ => (Self::rotated_heads(q, &self.q_norm, rope), Self::rotated_heads(k, &self.k_norm, rope)),
+        }
+    }
+
+    /// The q/k/v projection (one product): the queries and keys as projected, the values heads
+    /// first.
     ///
     /// # Shapes
     /// `x`: `[batch, seq, hidden]` -> `[batch, seq, heads, head_dim]` (queries),
-    /// `[batch, kv_heads, seq, head_dim]` (keys, values)
+    /// `[batch, seq, kv_heads, head_dim]` (keys), `[batch, kv_heads, seq, head_dim]` (values)
     fn project_qkv(
         &self,
         x: Tensor<3>,
         layer: usize,
-        rope: (&Tensor<4>, &Tensor<4>),
         delta: Option<&dyn ProjectionDelta>,
     ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Projection::Q, q_width), (Projection::K, kv_width), (Projection::V, kv_width)];
         let mut qkv = split_project(&self.qkv_proj, &x, &parts, layer, delta, self.head_dim).into_iter();
         let (q, k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
-        let k = Self::rotated_heads(k, &self.k_norm, rope);
         (q, k, Self::heads(v, &None))
     }
 
@@ -549,7 +567,8 @@ impl Attention {
     /// # Shapes
     /// `x`: `[batch, seq, hidden]`
     fn fill_cache(&self, x: Tensor<3>, layer: usize, rope: (&Tensor<4>, &Tensor<4>), args: &mut ForwardArgs<'_>) {
-        let (_, k, v) = self.project_qkv(x, layer, rope, args.delta);
+        let (_, k, v) = self.project_qkv(x, layer, args.delta);
+        let k = Self::rotated_heads(k, &self.k_norm, rope);
         if let Some(cache) = args.cache.as_deref_mut() {
             cache.append(layer, k, v);
         }
@@ -568,8 +587,8 @@ impl Attention {
         args: &mut ForwardArgs<'_>,
     ) -> (Tensor<3>, Option<Tensor<3>>) {
         let [batch, seq, _] = x.dims();
-        let (q, k, v) = self.project_qkv(x, layer, rope, args.delta);
-        let q = Self::rotated_heads(q, &self.q_norm, rope);
+        let (q, k, v) = self.project_qkv(x, layer, args.delta);
+        let (q, k) = self.rotated_queries_and_keys(q, k, rope);
         let mask = &args.layout.mask;
         let out = match args.cache.as_deref_mut() {
             Some(cache) => {
@@ -607,6 +626,47 @@ impl Mlp {
     }
 }
 
+/// The residual stream between decoder layers: its value, and the last layer's MLP output when
+/// it is not added yet. The next norm adds it (one kernel on a GPU, [`add_rms_norm`]), where a
+/// sum and then the norm were two launches a layer; elsewhere the sum and the norm run apart,
+/// as they did.
+pub(crate) struct Residual {
+    /// `[batch, seq, hidden]`
+    x: Tensor<3>,
+    /// `[batch, seq, hidden]`, to add to `x`.
+    pending: Option<Tensor<3>>,
+}
+
+impl From<Tensor<3>> for Residual {
+    fn from(x: Tensor<3>) -> Self {
+        Self { x, pending: None }
+    }
+}
+
+impl Residual {
+    /// The stream's value.
+    ///
+    /// # Shapes
+    /// -> `[batch, seq, hidden]`
+    pub(crate) fn sum(self) -> Tensor<3> {
+        match self.pending {
+            Some(y) => self.x + y,
+            None => self.x,
+        }
+    }
+
+    /// The stream's value and its RMS norm by `norm`.
+    ///
+    /// # Shapes
+    /// -> `[batch, seq, hidden]` each
+    fn normed(self, norm: &RmsNorm) -> (Tensor<3>, Tensor<3>) {
+        match self.pending {
+            Some(y) => add_rms_norm(self.x, y, None, &norm.weight, norm.eps),
+            None => (self.x.clone(), norm.forward(self.x)),
+        }
+    }
+}
+
 impl DecoderLayer {
     /// One layer over the residual stream `x`, the cache (if any) extended with this layer's
     /// keys and values.
@@ -620,24 +680,38 @@ impl DecoderLayer {
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
     ) -> Tensor<3> {
-        let (attended, extra) = self.self_attn.forward(self.input_layernorm.forward(x.clone()), layer, rope, args);
+        self.step(x.into(), layer, rope, args).sum()
+    }
+
+    /// [`DecoderLayer::forward`] over a stream whose last addend may be pending, leaving this
+    /// layer's MLP output pending in turn.
+    fn step(
+        &self,
+        stream: Residual,
+        layer: usize,
+        rope: (&Tensor<4>, &Tensor<4>),
+        args: &mut ForwardArgs<'_>,
+    ) -> Residual {
+        let (x, normed) = stream.normed(&self.input_layernorm);
+        let (attended, extra) = self.self_attn.forward(normed, layer, rope, args);
         // The residual stream's sum and the MLP's norm of it (one kernel on a GPU).
         let norm = &self.post_attention_layernorm;
         let (x, normed) = add_rms_norm(x, attended, extra, &norm.weight, norm.eps);
         let fed = self.mlp.forward(normed, layer, args.delta);
-        x + fed
+        Residual { x, pending: Some(fed) }
     }
 
-    /// Only this layer's keys and values of `x`, appended to the cache (what
+    /// Only this layer's keys and values of the stream, appended to the cache (what
     /// [`CausalLm::fill_cache`] runs at its last layer).
     pub(crate) fn fill_cache(
         &self,
-        x: Tensor<3>,
+        stream: Residual,
         layer: usize,
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
     ) {
-        self.self_attn.fill_cache(self.input_layernorm.forward(x), layer, rope, args);
+        let (_, normed) = stream.normed(&self.input_layernorm);
+        self.self_attn.fill_cache(normed, layer, rope, args);
     }
 }
 
@@ -852,8 +926,8 @@ impl CausalLm {
     /// # Shapes
     /// `tokens`: `[batch, seq]` -> `[batch, seq, hidden]`
     pub fn hidden_states(&self, tokens: Tensor<2, Int>, mut args: ForwardArgs<'_>) -> Result<Tensor<3>> {
-        let (x, _) = self.run_layers(tokens, &mut args, self.layers.len())?;
-        Ok(self.norm.forward(x))
+        let (stream, _) = self.run_layers(tokens, &mut args, self.layers.len())?;
+        Ok(stream.normed(&self.norm).1)
     }
 
     /// Runs `tokens` through the model only to append their keys and values to `args.cache`:
@@ -868,8 +942,8 @@ impl CausalLm {
             return Err(TroupeError::invalid("cache", "fill_cache needs a KV cache to fill"));
         }
         let Some(last) = self.layers.len().checked_sub(1) else { return Ok(()) };
-        let (x, (cos, sin)) = self.run_layers(tokens, &mut args, last)?;
-        self.layers[last].fill_cache(x, last, (&cos, &sin), &mut args);
+        let (stream, (cos, sin)) = self.run_layers(tokens, &mut args, last)?;
+        self.layers[last].fill_cache(stream, last, (&cos, &sin), &mut args);
         Ok(())
     }
 
@@ -877,14 +951,14 @@ impl CausalLm {
     /// for each of them), and the rotary tables of the tokens' positions.
     ///
     /// # Shapes
-    /// `tokens`: `[batch, seq]` -> `[batch, seq, hidden]`, two `[batch, 1, seq, head_dim]`
+    /// `tokens`: `[batch, seq]` -> the stream `[batch, seq, hidden]`, two `[batch, 1, seq, head_dim]`
     #[allow(clippy::type_complexity)]
     fn run_layers(
         &self,
         tokens: Tensor<2, Int>,
         args: &mut ForwardArgs<'_>,
         layers: usize,
-    ) -> Result<(Tensor<3>, (Tensor<4>, Tensor<4>))> {
+    ) -> Result<(Residual, (Tensor<4>, Tensor<4>))> {
         let past = args.cache.as_ref().map_or(0, |c| c.len());
         let [_, seq] = tokens.dims();
         if past + seq > self.rope.max_positions() {
@@ -898,11 +972,11 @@ impl CausalLm {
             ));
         }
         let (cos, sin) = self.rope.tables(&args.layout.positions);
-        let mut x = self.embed_tokens.forward(tokens);
+        let mut stream = Residual::from(self.embed_tokens.forward(tokens));
         for (i, layer) in self.layers.iter().enumerate().take(layers) {
-            x = layer.forward(x, i, (&cos, &sin), args);
+            stream = layer.step(stream, i, (&cos, &sin), args);
         }
-        Ok((x, (cos, sin)))
+        Ok((stream, (cos, sin)))
     }
 
     /// The rotary tables of `layout`'s positions.

@@ -10,8 +10,9 @@
 //! model's generations and logits must not change beyond that tolerance. On the CPU troupe's fused
 //! attention runs whatever the choice: every kernel gives the same bits, the fused kernel's within
 //! 1e-5 of the reference, and the flash entry reports why it ran the materialized kernel. The
-//! materialized kernel (on a GPU, troupe's softmax kernel between burn's products) matches burn's
-//! own attention within 1e-5 on any device; on `wgpu`, which has no flash kernel, the flash entry
+//! materialized kernel (on a GPU, troupe's softmax kernel between burn's products; at a decoding
+//! step troupe's one-kernel attention, which must run there) matches burn's own attention within
+//! 1e-5 on any device; on `wgpu`, which has no flash kernel, the flash entry
 //! says so and runs burn's attention.
 
 use burn::tensor::{Bool, Device, Tensor, TensorData};
@@ -37,7 +38,7 @@ struct Case {
     dim: usize,
 }
 
-const CASES: [Case; 5] = [
+const CASES: [Case; 7] = [
     // Prefill: grouped heads, causal, padded rows whose first queries see nothing.
     Case { batch: 3, heads: 4, kv_heads: 2, seq: 70, past: 0, room: 70, dim: 16 },
     // A prompt's suffix after a cached prefix, one key/value head for all query heads.
@@ -48,6 +49,10 @@ const CASES: [Case; 5] = [
     // Qwen3-0.6B's heads (16 over 8, 128 wide), then a small model's.
     Case { batch: 2, heads: 16, kv_heads: 8, seq: 1, past: 37, room: 64, dim: 128 },
     Case { batch: 4, heads: 4, kv_heads: 2, seq: 1, past: 10, room: 64, dim: 16 },
+    // A decoding step whose third row is all padding (its query sees nothing), then one over
+    // several of the decoding kernel's tiles with heads of a width not a power of two.
+    Case { batch: 3, heads: 4, kv_heads: 2, seq: 1, past: 5, room: 64, dim: 16 },
+    Case { batch: 2, heads: 6, kv_heads: 3, seq: 1, past: 200, room: 320, dim: 96 },
 ];
 
 impl Case {
@@ -245,6 +250,13 @@ fn materialized_kernel_matches_burns_attention_and_an_f64_reference() {
         let worst = worst_error(&got, &want);
         assert!(worst < tolerance(1e-5), "{label}: against the f64 reference: {worst}");
         case.assert_blind_queries_are_zero(&got, "materialized");
+        // A decoding step on a GPU is troupe's one-kernel attention.
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if on_gpu(&device) && case.seq == 1 {
+            let Inputs { qt, kt, vt, mask, .. } = case.inputs(&mut ChaCha8Rng::seed_from_u64(22), &device);
+            let kernel = troupe::model::fused::gpu::decode_attention(&qt, None, (&kt, &vt), &mask);
+            assert!(kernel.is_some(), "{label}: the decoding kernel runs");
+        }
     }
 }
 

@@ -406,6 +406,44 @@ fn rms_norm_rope_without_gradients_matches_f64_and_the_two_apart_on_the_test_dev
     }
 }
 
+/// A layer's queries and keys normed and rotated together (`rms_norm_rope_pair`: on a GPU one
+/// kernel launch for both) against each normed and rotated alone (`rms_norm_rope`), bit for bit:
+/// both read as views of one stacked q/k/v output, each with its own norm weight, at a decoding
+/// step (batch 16, Qwen3-0.6B's 16 query heads over 8 key heads of 128) and over a sequence. On
+/// a GPU the pair's kernel must be the one that ran.
+#[test]
+fn rms_norm_rope_pair_equals_the_queries_and_keys_apart_on_the_test_device() {
+    use troupe::model::fused::{rms_norm_rope, rms_norm_rope_pair};
+
+    let device = crate::common::test_device();
+    let mut rng = ChaCha8Rng::seed_from_u64(16);
+    let eps = 1e-6;
+    // (batch, seq, query heads, key heads, head dim)
+    for (batch, seq, heads, kv_heads, dim) in [(16, 1, 16, 8, 128), (2, 7, 4, 2, 16)] {
+        let columns = (heads + 2 * kv_heads) * dim;
+        let stacked = random(&mut rng, [batch * seq, columns], 3.0, &device);
+        let part =
+            |start: usize, n: usize| stacked.clone().narrow(1, start * dim, n * dim).reshape([batch, seq, n, dim]);
+        let (q, k) = (part(0, heads), part(heads, kv_heads));
+        let weight = |rng: &mut ChaCha8Rng| random(rng, [1, dim], 0.5, &device).reshape([dim]) + 1.0;
+        let (qw, kw) = (weight(&mut rng), weight(&mut rng));
+        let table = |rng: &mut ChaCha8Rng| random(rng, [batch * seq, dim], 1.0, &device).reshape([batch, 1, seq, dim]);
+        let (cos, sin) = (table(&mut rng), table(&mut rng));
+        let (pair_q, pair_k) = rms_norm_rope_pair((q.clone(), &qw, eps), (k.clone(), &kw, eps), &cos, &sin);
+        let flat = |t: Tensor<4>| t.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32");
+        let case = format!("{batch} x {seq} x {heads}/{kv_heads} heads x {dim}");
+        assert_eq!(pair_q.dims(), [batch, heads, seq, dim], "{case}");
+        assert_eq!(pair_k.dims(), [batch, kv_heads, seq, dim], "{case}");
+        assert_eq!(flat(pair_q), flat(rms_norm_rope(q.clone(), &qw, eps, &cos, &sin)), "{case}: queries");
+        assert_eq!(flat(pair_k), flat(rms_norm_rope(k.clone(), &kw, eps, &cos, &sin)), "{case}: keys");
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if device != Device::flex() {
+            let ran = troupe::model::fused::gpu::rms_norm_rope_pair((&q, &qw), (&k, &kw), eps, &cos, &sin);
+            assert!(ran.is_some(), "{case}: the pair's kernel runs");
+        }
+    }
+}
+
 /// The attention with gradients on the device of `TROUPE_TEST_DEVICE` (the CPU's fused kernel by
 /// default; under `cuda` or `wgpu`, troupe's node of two products around the softmax kernel,
 /// whose backward is four products around one kernel) against burn's attention with the

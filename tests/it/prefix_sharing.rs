@@ -219,3 +219,106 @@ fn a_shared_prompt_cache_picks_rows_as_a_copied_one_does() {
     let diff = common::max_abs_diff(&from_shared, &from_copies);
     assert!(diff < common::tolerance(1e-5), "shared against copied prompts: {diff}");
 }
+
+/// A decoding step's attention over a shared cache (`prompt_cache::attend` with one query a
+/// row, what every layer runs at every token of a GRPO rollout on a GPU) against an f64
+/// definition: each row's query heads over its group's prompt keys followed by its own, with
+/// scattered groups of uneven sizes and a group without rows, grouped-query heads, queries as a
+/// strided view, prompt padding of each row's own length, own slots not yet written (hidden), key
+/// counts spanning several of the kernel's tiles with the prompt ending inside one, head widths of
+/// a power of two and not, and a row that sees no key (zeros on a GPU). On a GPU troupe's decoding
+/// kernel must be the one that ran (`fused::gpu::decode_attention`); on the CPU the two-part
+/// products run and must give the same.
+#[test]
+fn a_decoding_steps_attention_over_a_shared_prompt_matches_f64_on_the_test_device() {
+    use burn::tensor::{Bool, Tensor, TensorData};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use troupe::model::prompt_cache::{attend, GroupLayout};
+
+    let device = common::test_device();
+    let on_gpu = device != burn::tensor::Device::flex();
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let group_of_row = [2usize, 0, 2, 2, 0];
+    let (rows, groups) = (group_of_row.len(), 3);
+    // (heads, kv_heads, head_dim, prompt slots, own slots)
+    for (heads, kv_heads, dim, prompt, own) in [(4, 2, 16, 37, 70), (6, 3, 96, 150, 64), (16, 8, 128, 20, 64)] {
+        let keys = prompt + own;
+        // Row r: prompt padding `pad[r]`, own slots written `filled[r]`; row 4 sees nothing.
+        let pad = [0, 3, 5, 1, prompt];
+        let filled = [own, 1, 9, own / 2, 0];
+        let hidden: Vec<bool> =
+            (0..rows).flat_map(|r| (0..keys).map(move |j| j < pad[r] || j >= prompt + filled[r])).collect();
+        let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0f32..2.0)).collect() };
+        let (q, pk, pv) = (
+            random(rows * heads * dim),
+            random(groups * kv_heads * prompt * dim),
+            random(groups * kv_heads * prompt * dim),
+        );
+        let (ok, ov) = (random(rows * kv_heads * own * dim), random(rows * kv_heads * own * dim));
+        let tensor = |v: &[f32], dims: [usize; 4]| Tensor::<4>::from_data(TensorData::new(v.to_vec(), dims), &device);
+        // Stored `[rows, seq, heads, dim]` and viewed heads first, as a projection's output is.
+        let qt = tensor(&q, [rows, 1, heads, dim]).swap_dims(1, 2);
+        let (pkt, pvt) = (tensor(&pk, [groups, kv_heads, prompt, dim]), tensor(&pv, [groups, kv_heads, prompt, dim]));
+        let (okt, ovt) = (tensor(&ok, [rows, kv_heads, own, dim]), tensor(&ov, [rows, kv_heads, own, dim]));
+        let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden.clone(), [rows, 1, 1, keys]), &device);
+        let layout = GroupLayout::new(&group_of_row, groups, &device).unwrap();
+        let got = attend(qt.clone(), (pkt.clone(), pvt.clone()), &layout, (okt.clone(), ovt.clone()), &mask);
+        let got = got.into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if on_gpu {
+            let index: Vec<i64> = group_of_row.iter().map(|&g| g as i64).collect();
+            let of_row = Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(index, [rows]), &device);
+            let kernel =
+                troupe::model::fused::gpu::decode_attention(&qt, Some((&pkt, &pvt, &of_row)), (&okt, &ovt), &mask)
+                    .expect("the decoding kernel runs on a GPU");
+            let kernel = kernel.into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
+            assert_eq!(kernel, got, "attend runs the decoding kernel");
+        }
+        let scale = 1.0 / (dim as f64).sqrt();
+        let group = heads / kv_heads;
+        for r in 0..rows {
+            let g = group_of_row[r];
+            let seen: Vec<usize> = (0..keys).filter(|&j| !hidden[r * keys + j]).collect();
+            for h in 0..heads {
+                let kv = h / group;
+                let key = |j: usize| -> &[f32] {
+                    if j < prompt {
+                        &pk[((g * kv_heads + kv) * prompt + j) * dim..][..dim]
+                    } else {
+                        &ok[((r * kv_heads + kv) * own + j - prompt) * dim..][..dim]
+                    }
+                };
+                let value = |j: usize, d: usize| -> f64 {
+                    f64::from(if j < prompt {
+                        pv[((g * kv_heads + kv) * prompt + j) * dim + d]
+                    } else {
+                        ov[((r * kv_heads + kv) * own + j - prompt) * dim + d]
+                    })
+                };
+                let query = &q[(r * heads + h) * dim..][..dim];
+                let out = &got[(r * heads + h) * dim..][..dim];
+                let label = format!("{heads}/{kv_heads} heads x {dim}, {prompt} + {own} keys, row {r}, head {h}");
+                if seen.is_empty() {
+                    // The GPU's attentions give zeros; burn's softmax elsewhere spreads equal weights.
+                    if on_gpu {
+                        assert!(out.iter().all(|&x| x == 0.0), "{label}: sees no key");
+                    }
+                    continue;
+                }
+                let scores: Vec<f64> = seen
+                    .iter()
+                    .map(|&j| query.iter().zip(key(j)).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() * scale)
+                    .collect();
+                let top = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = scores.iter().map(|s| (s - top).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for (d, &x) in out.iter().enumerate() {
+                    let want = seen.iter().zip(&weights).map(|(&j, w)| w * value(j, d)).sum::<f64>() / total;
+                    let error = (f64::from(x) - want).abs() / want.abs().max(1.0);
+                    assert!(error < f64::from(common::tolerance(1e-5)), "{label}, column {d}: {x} against {want}");
+                }
+            }
+        }
+    }
+}

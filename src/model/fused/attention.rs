@@ -478,7 +478,8 @@ impl<C: CheckpointStrategy> MaskedAttentionBackend for Autodiff<Flex, C> {
 /// burn's CPU attention shares the key/value heads itself, or, for a forward without gradients
 /// on a GPU, burn-cubecl's flash kernel when `kernel` asks for it
 /// ([`super::flash::grouped_flash_attention`]; where it cannot run, the materialized kernel with a
-/// warning per reason), else the materialized products around one softmax kernel
+/// warning per reason), else for a decoding step's one query a row one kernel
+/// (`super::gpu::decode_attention`), else the materialized products around one softmax kernel
 /// (`super::gpu::attention`), and under autodiff on a GPU that kernel's node with a backward of
 /// its own (`super::gpu::attention_tracked`). `mask` and `host_mask` are the same mask.
 ///
@@ -513,6 +514,10 @@ pub fn attention(
         if let Some(refusal) = refusal {
             warn_once(refusal);
         }
+        return out;
+    }
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if let Some(out) = super::gpu::decode_attention(&q, None, (&k, &v), mask) {
         return out;
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]

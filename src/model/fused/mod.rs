@@ -44,7 +44,7 @@ pub use flash::{grouped_flash_attention, FlashRefusal};
 pub use linear::dense_linear;
 pub use matmul::batched_matmul;
 pub use rms_norm::{add_rms_norm, rms_norm};
-pub use rope::{rms_norm_rope, rope};
+pub use rope::{rms_norm_rope, rms_norm_rope_pair, rope};
 pub use swiglu::{swiglu, swiglu_stacked};
 pub use token_logprob::{logsumexp, token_logprobs};
 

@@ -185,6 +185,32 @@ pub fn rms_norm_rope(x: Tensor<4>, weight: &Tensor<1>, eps: f64, cos: &Tensor<4>
     rope(super::rms_norm(x, weight, eps).swap_dims(1, 2), cos, sin)
 }
 
+/// [`rms_norm_rope`] of a layer's queries and of its keys, each with its norm's weight and
+/// `eps`: one kernel launch for both on a GPU without gradients (when the two norms' `eps`
+/// agree), the two calls elsewhere.
+///
+/// # Shapes
+/// `q`: `[batch, seq, heads, head_dim]`, `k`: `[batch, seq, kv_heads, head_dim]`, weights
+/// `[head_dim]`, `cos`/`sin`: `[batch, 1, seq, head_dim]` -> `[batch, heads, seq, head_dim]`,
+/// `[batch, kv_heads, seq, head_dim]`
+pub fn rms_norm_rope_pair(
+    (q, q_weight, q_eps): (Tensor<4>, &Tensor<1>, f64),
+    (k, k_weight, k_eps): (Tensor<4>, &Tensor<1>, f64),
+    cos: &Tensor<4>,
+    sin: &Tensor<4>,
+) -> (Tensor<4>, Tensor<4>) {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if q_eps == k_eps
+        && [&q, &k, cos, sin].into_iter().all(super::gpu::takes)
+        && [q_weight, k_weight].into_iter().all(super::gpu::takes)
+    {
+        if let Some(pair) = super::gpu::rms_norm_rope_pair((&q, q_weight), (&k, k_weight), q_eps, cos, sin) {
+            return pair;
+        }
+    }
+    (rms_norm_rope(q, q_weight, q_eps, cos, sin), rms_norm_rope(k, k_weight, k_eps, cos, sin))
+}
+
 /// burn's composite rotary embedding: two narrows, a negation, a concatenation, two products
 /// and a sum.
 ///

@@ -78,6 +78,9 @@ pub struct GroupLayout {
     /// `[groups * width]`: 1 at each place a row holds, 0 where a place repeats a row (a group
     /// short of `width` rows), when some place does.
     held: Option<Tensor<1>>,
+    /// `[rows]`: `group_of_row` on the device, for the decoding step's kernel
+    /// (`fused::gpu::decode_attention`), which reads each row's group in place of a layout.
+    of_row: Tensor<1, Int>,
 }
 
 impl GroupLayout {
@@ -113,7 +116,8 @@ impl GroupLayout {
             Tensor::<1, Int>::from_data(TensorData::new(values, [len]), device)
         };
         let (order, back) = if identity { (None, None) } else { (Some(index(order)), Some(index(back))) };
-        Ok(Self { group_of_row: group_of_row.to_vec(), groups, width, order, back, held })
+        let of_row = index(group_of_row.iter().map(|&g| g as i64).collect());
+        Ok(Self { group_of_row: group_of_row.to_vec(), groups, width, order, back, held, of_row })
     }
 
     /// The layout of a batch whose row `i` is this batch's row `rows[i]`, in the same groups.
@@ -129,6 +133,7 @@ impl GroupLayout {
             order: self.order.clone().map(Tensor::without_autodiff),
             back: self.back.clone().map(Tensor::without_autodiff),
             held: self.held.clone().map(Tensor::without_autodiff),
+            of_row: self.of_row.clone(),
             groups: self.groups,
             width: self.width,
         }
@@ -223,7 +228,8 @@ impl SharedPrompt {
 /// its rows, as the other attentions fold them, so no key or value head is repeated. A query
 /// that may see no key gets zeros on a GPU and equal weights elsewhere (no generation asks
 /// for one: every query sees its own slot or its prompt). Under autodiff (the update's scoring)
-/// it is one node whose backward recomputes the probabilities ([`tracked`]).
+/// it is one node whose backward recomputes the probabilities ([`tracked`]); a decoding step
+/// on a GPU (one query a row, no gradient) is one kernel (`fused::gpu::decode_attention`).
 ///
 /// # Shapes
 /// `q`: `[rows, heads, seq, head_dim]`; `prompt`: `[groups, kv_heads, prompt, head_dim]` each;
@@ -239,6 +245,13 @@ pub fn attend(
     let [rows, heads, seq, head_dim] = q.dims();
     let kv_heads = prompt.0.dims()[1];
     debug_assert_eq!(prompt.0.dims()[0], groups.groups, "one prompt per group");
+    // A decoding step on a GPU: one kernel reading each row's group.
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if let Some(out) =
+        super::fused::gpu::decode_attention(&q, Some((&prompt.0, &prompt.1, &groups.of_row)), (&own.0, &own.1), mask)
+    {
+        return out;
+    }
     let parts = TwoParts { groups, mask, scale: (1.0 / (head_dim as f64).sqrt()) as f32 };
     // Query head `h` reads key/value head `h / (heads / kv_heads)`: `[rows, kv_heads, folded, d]`.
     let q = q.reshape([rows, kv_heads, heads / kv_heads * seq, head_dim]);

@@ -150,7 +150,7 @@ pub fn applies(q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>, mask: &Tensor<4, Boo
 }
 
 /// Whether `mask` is stored as integers, the form the softmax kernel reads.
-fn integer_mask(mask: &Tensor<4, Bool>) -> bool {
+pub(super) fn integer_mask(mask: &Tensor<4, Bool>) -> bool {
     matches!(dtype_to_storage_type(mask.dtype()), ElemType::UInt(_))
 }
 

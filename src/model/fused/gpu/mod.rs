@@ -9,6 +9,8 @@
 //! - [`rope()`]: one kernel per rotation instead of six.
 //! - [`attention()`]: the two products around one softmax kernel instead of nine kernels, and
 //!   the grouped-query heads' mask read in place instead of repeated.
+//! - [`decode_attention()`]: a decoding step's attention, over one cache part or a shared
+//!   prompt and each row's own, as one kernel instead of three (or about twelve over two parts).
 //! - [`rms_norm_rope()`]: Qwen3's per-head norm of the queries and keys and their rotation as
 //!   one kernel, where the two above are two launches.
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
@@ -46,6 +48,7 @@ use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 mod attention;
+mod decode_attention;
 mod linear;
 mod lora;
 mod norm_rope;
@@ -58,9 +61,10 @@ mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked, masked_softmax, softmax_grad};
+pub use decode_attention::{applies as decode_attention_applies, decode_attention, MAX_QUERIES as DECODE_MAX_QUERIES};
 pub use linear::{frozen_linear, frozen_linear_backward};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
-pub use norm_rope::rms_norm_rope;
+pub use norm_rope::{rms_norm_rope, rms_norm_rope_pair};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
 pub use sample::{sample_rows, samples};
