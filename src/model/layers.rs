@@ -353,6 +353,43 @@ impl FrozenLinear {
         }
     }
 
+    /// The half precision this projection's product rounds its input to on a GPU (its weight's
+    /// type, `model.dtype`), for the kernel before it to write its output rounded so too
+    /// ([`FrozenLinear::forward_rounded`]); `None` for an f32 or quantized weight, on the CPU, and
+    /// with troupe's GPU kernels off.
+    pub fn input_rounding(&self) -> Option<DType> {
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if let LinearWeight::Dense(weight) = &self.weight {
+            return super::fused::gpu::rounding(weight);
+        }
+        None
+    }
+
+    /// [`FrozenLinear::forward`] where a kernel before the product also wrote `x` rounded to
+    /// [`FrozenLinear::input_rounding`] (`rounded`): the product takes it in place of rounding
+    /// `x` itself, one launch fewer, the same values. Without it, `forward(x)`.
+    ///
+    /// # Shapes
+    /// `x`, `rounded`: `[batch, seq, in]` -> `[batch, seq, out]`
+    #[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
+    pub fn forward_rounded(&self, x: Tensor<3>, rounded: Option<Tensor<3>>) -> Tensor<3> {
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if let (Some(rounded), LinearWeight::Dense(weight)) = (&rounded, &self.weight) {
+            let [batch, seq, features] = rounded.dims();
+            let [out, _] = self.dims();
+            if let Some(y) =
+                super::fused::gpu::frozen_linear_rounded(&rounded.clone().reshape([batch * seq, features]), weight)
+            {
+                let y = match &self.bias {
+                    Some(bias) => y + bias.clone().unsqueeze_dim(0),
+                    None => y,
+                };
+                return y.reshape([batch, seq, out]);
+            }
+        }
+        self.forward(x)
+    }
+
     /// # Shapes
     /// `x`: `[batch, seq, in]` -> `[batch, seq, out]`
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {

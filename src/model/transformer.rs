@@ -11,7 +11,7 @@ use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 
 use super::attention_kernel::AttentionKernel;
 use super::config::{ModelConfig, ModelType};
-use super::fused::{add_rms_norm, attention, swiglu_stacked, HostMask};
+use super::fused::{add_rms_norm_rounded, attention_rounded, swiglu_stacked_rounded, HostMask};
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
 use super::prompt_cache::{self, GroupLayout, PromptCache, SharedPrompt};
 use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
@@ -358,24 +358,27 @@ pub struct ForwardArgs<'a> {
 /// [`ProjectionDelta::joint_delta`]). On a GPU under autodiff each part of a dense projection is
 /// differentiated through its own rows of the weight
 /// ([`super::fused::gpu::stacked_parts_tracked`]); elsewhere the parts are views of the output.
+/// `rounded`, when a kernel wrote it, is `x` rounded for the product
+/// ([`FrozenLinear::forward_rounded`]).
 ///
 /// # Shapes
-/// `x`: `[batch, seq, hidden]` -> `[batch, seq, width / head_dim, head_dim]` for each part's width
+/// `x`, `rounded`: `[batch, seq, hidden]` -> `[batch, seq, width / head_dim, head_dim]` for each
+/// part's width
 fn split_project(
     linear: &FrozenLinear,
-    x: &Tensor<3>,
+    (x, rounded): (&Tensor<3>, Option<Tensor<3>>),
     parts: &[(Projection, usize)],
     layer: usize,
     delta: Option<&dyn ProjectionDelta>,
     head_dim: usize,
 ) -> Vec<Tensor<4>> {
     let widths: Vec<usize> = parts.iter().map(|&(_, width)| width).collect();
-    let base = || linear.forward(x.clone());
+    let base = || linear.forward_rounded(x.clone(), rounded.clone());
     if let Some(sum) = delta.and_then(|d| d.joint_sum(layer, parts, x, &base)) {
         // The joint delta added to the stacked output, then the parts as views of it.
         return head_parts(sum, &widths, head_dim);
     }
-    let values = stacked_parts(linear, x, &widths, head_dim);
+    let values = stacked_parts(linear, (x, rounded), &widths, head_dim);
     values
         .into_iter()
         .zip(parts)
@@ -390,11 +393,16 @@ fn split_project(
 }
 
 /// The parts of `linear`'s output for `x`, `widths` wide in turn along the last dimension, as
-/// heads of `head_dim` values.
+/// heads of `head_dim` values (`rounded` as for [`split_project`]).
 ///
 /// # Shapes
-/// `x`: `[batch, seq, hidden]` -> `[batch, seq, widths[i] / head_dim, head_dim]` each
-fn stacked_parts(linear: &FrozenLinear, x: &Tensor<3>, widths: &[usize], head_dim: usize) -> Vec<Tensor<4>> {
+/// `x`, `rounded`: `[batch, seq, hidden]` -> `[batch, seq, widths[i] / head_dim, head_dim]` each
+fn stacked_parts(
+    linear: &FrozenLinear,
+    (x, rounded): (&Tensor<3>, Option<Tensor<3>>),
+    widths: &[usize],
+    head_dim: usize,
+) -> Vec<Tensor<4>> {
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if let LinearWeight::Dense(weight) = &linear.weight {
         if super::fused::gpu::takes_tracked(x) {
@@ -410,7 +418,7 @@ fn stacked_parts(linear: &FrozenLinear, x: &Tensor<3>, widths: &[usize], head_di
             }
         }
     }
-    head_parts(linear.forward(x.clone()), widths, head_dim)
+    head_parts(linear.forward_rounded(x.clone(), rounded), widths, head_dim)
 }
 
 /// `stacked`'s parts, `widths` wide in turn along the last dimension, as views split into heads
@@ -434,10 +442,11 @@ fn head_parts(stacked: Tensor<3>, widths: &[usize], head_dim: usize) -> Vec<Tens
         .collect()
 }
 
-/// Applies a projection plus the adapter delta for it, if any.
+/// Applies a projection plus the adapter delta for it, if any (`rounded` as for
+/// [`split_project`]).
 fn project(
     linear: &FrozenLinear,
-    x: Tensor<3>,
+    x: (Tensor<3>, Option<Tensor<3>>),
     layer: usize,
     projection: Projection,
     delta: Option<&dyn ProjectionDelta>,
@@ -449,19 +458,19 @@ fn project(
 }
 
 /// A projection's output and the adapter delta for it, if any, apart (for a caller that adds
-/// both to something else in one kernel).
+/// both to something else in one kernel; `rounded` as for [`split_project`]).
 ///
 /// # Shapes
-/// `x`: `[batch, seq, in]` -> `[batch, seq, out]` each
+/// `x`, `rounded`: `[batch, seq, in]` -> `[batch, seq, out]` each
 fn project_apart(
     linear: &FrozenLinear,
-    x: Tensor<3>,
+    (x, rounded): (Tensor<3>, Option<Tensor<3>>),
     layer: usize,
     projection: Projection,
     delta: Option<&dyn ProjectionDelta>,
 ) -> (Tensor<3>, Option<Tensor<3>>) {
     let extra = delta.and_then(|d| d.delta(layer, projection, &x));
-    (linear.forward(x), extra)
+    (linear.forward_rounded(x, rounded), extra)
 }
 
 impl Attention {
@@ -550,13 +559,13 @@ impl Attention {
     /// `[batch, seq, kv_heads, head_dim]` (keys), `[batch, kv_heads, seq, head_dim]` (values)
     fn project_qkv(
         &self,
-        x: Tensor<3>,
+        (x, rounded): Rounded,
         layer: usize,
         delta: Option<&dyn ProjectionDelta>,
     ) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
         let (q_width, kv_width) = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim);
         let parts = [(Projection::Q, q_width), (Projection::K, kv_width), (Projection::V, kv_width)];
-        let mut qkv = split_project(&self.qkv_proj, &x, &parts, layer, delta, self.head_dim).into_iter();
+        let mut qkv = split_project(&self.qkv_proj, (&x, rounded), &parts, layer, delta, self.head_dim).into_iter();
         let (q, k, v) = (qkv.next().expect("q"), qkv.next().expect("k"), qkv.next().expect("v"));
         (q, k, Self::heads(v, &None))
     }
@@ -566,7 +575,7 @@ impl Attention {
     ///
     /// # Shapes
     /// `x`: `[batch, seq, hidden]`
-    fn fill_cache(&self, x: Tensor<3>, layer: usize, rope: (&Tensor<4>, &Tensor<4>), args: &mut ForwardArgs<'_>) {
+    fn fill_cache(&self, x: Rounded, layer: usize, rope: (&Tensor<4>, &Tensor<4>), args: &mut ForwardArgs<'_>) {
         let (_, k, v) = self.project_qkv(x, layer, args.delta);
         let k = Self::rotated_heads(k, &self.k_norm, rope);
         if let Some(cache) = args.cache.as_deref_mut() {
@@ -581,27 +590,29 @@ impl Attention {
     /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]` each
     fn forward(
         &self,
-        x: Tensor<3>,
+        x: Rounded,
         layer: usize,
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
     ) -> (Tensor<3>, Option<Tensor<3>>) {
-        let [batch, seq, _] = x.dims();
+        let [batch, seq, _] = x.0.dims();
         let (q, k, v) = self.project_qkv(x, layer, args.delta);
         let (q, k) = self.rotated_queries_and_keys(q, k, rope);
         let mask = &args.layout.mask;
-        let out = match args.cache.as_deref_mut() {
+        // A decoding step's kernel on a GPU also writes its output rounded for o's product.
+        let round = self.o_proj.input_rounding();
+        let (out, rounded) = match args.cache.as_deref_mut() {
             Some(cache) => {
                 let (k, v) = cache.append(layer, k, v);
                 match cache.shared_prompt(layer) {
-                    Some((prompt, groups)) => prompt_cache::attend(q, prompt, groups, (k, v), mask),
-                    None => attention(q, k, v, mask, &args.layout.host_mask, self.kernel),
+                    Some((prompt, groups)) => prompt_cache::attend_rounded(q, prompt, groups, (k, v), mask, round),
+                    None => attention_rounded(q, k, v, mask, &args.layout.host_mask, self.kernel, round),
                 }
             }
-            None => attention(q, k, v, mask, &args.layout.host_mask, self.kernel),
+            None => attention_rounded(q, k, v, mask, &args.layout.host_mask, self.kernel, round),
         };
-        let out = out.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
-        project_apart(&self.o_proj, out, layer, Projection::O, args.delta)
+        let merged = |t: Tensor<4>| t.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
+        project_apart(&self.o_proj, (merged(out), rounded.map(merged)), layer, Projection::O, args.delta)
     }
 }
 
@@ -618,13 +629,19 @@ impl Mlp {
 
     /// # Shapes
     /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`
-    fn forward(&self, x: Tensor<3>, layer: usize, delta: Option<&dyn ProjectionDelta>) -> Tensor<3> {
-        let gate_up = self.gate_up_proj.forward(x.clone());
+    fn forward(&self, (x, rounded): Rounded, layer: usize, delta: Option<&dyn ProjectionDelta>) -> Tensor<3> {
+        let gate_up = self.gate_up_proj.forward_rounded(x.clone(), rounded);
         let delta_gate = delta.and_then(|d| d.delta(layer, Projection::Gate, &x));
         let delta_up = delta.and_then(|d| d.delta(layer, Projection::Up, &x));
-        project(&self.down_proj, swiglu_stacked(gate_up, delta_gate, delta_up), layer, Projection::Down, delta)
+        // On a GPU the gate's kernel also writes its output rounded for down's product.
+        let gated = swiglu_stacked_rounded(gate_up, delta_gate, delta_up, self.down_proj.input_rounding());
+        project(&self.down_proj, gated, layer, Projection::Down, delta)
     }
 }
+
+/// An activation and, where the kernel that wrote it also wrote it rounded to the half precision
+/// of the frozen product it feeds, that rounding ([`FrozenLinear::forward_rounded`]).
+type Rounded = (Tensor<3>, Option<Tensor<3>>);
 
 /// The residual stream between decoder layers: its value, and the last layer's MLP output when
 /// it is not added yet. The next norm adds it (one kernel on a GPU, [`add_rms_norm`]), where a
@@ -655,14 +672,18 @@ impl Residual {
         }
     }
 
-    /// The stream's value and its RMS norm by `norm`.
+    /// The stream's value and its RMS norm by `norm`, with the norm rounded to `round` where the
+    /// kernel adding the pending addend wrote that too.
     ///
     /// # Shapes
     /// -> `[batch, seq, hidden]` each
-    fn normed(self, norm: &RmsNorm) -> (Tensor<3>, Tensor<3>) {
+    fn normed(self, norm: &RmsNorm, round: Option<DType>) -> (Tensor<3>, Rounded) {
         match self.pending {
-            Some(y) => add_rms_norm(self.x, y, None, &norm.weight, norm.eps),
-            None => (self.x.clone(), norm.forward(self.x)),
+            Some(y) => {
+                let (sum, normed, rounded) = add_rms_norm_rounded(self.x, y, None, &norm.weight, norm.eps, round);
+                (sum, (normed, rounded))
+            }
+            None => (self.x.clone(), (norm.forward(self.x), None)),
         }
     }
 }
@@ -692,12 +713,14 @@ impl DecoderLayer {
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
     ) -> Residual {
-        let (x, normed) = stream.normed(&self.input_layernorm);
+        let (x, normed) = stream.normed(&self.input_layernorm, self.self_attn.qkv_proj.input_rounding());
         let (attended, extra) = self.self_attn.forward(normed, layer, rope, args);
-        // The residual stream's sum and the MLP's norm of it (one kernel on a GPU).
+        // The residual stream's sum and the MLP's norm of it (one kernel on a GPU, which also
+        // writes the norm rounded for the gate/up product).
         let norm = &self.post_attention_layernorm;
-        let (x, normed) = add_rms_norm(x, attended, extra, &norm.weight, norm.eps);
-        let fed = self.mlp.forward(normed, layer, args.delta);
+        let round = self.mlp.gate_up_proj.input_rounding();
+        let (x, normed, rounded) = add_rms_norm_rounded(x, attended, extra, &norm.weight, norm.eps, round);
+        let fed = self.mlp.forward((normed, rounded), layer, args.delta);
         Residual { x, pending: Some(fed) }
     }
 
@@ -710,7 +733,7 @@ impl DecoderLayer {
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
     ) {
-        let (_, normed) = stream.normed(&self.input_layernorm);
+        let (_, normed) = stream.normed(&self.input_layernorm, self.self_attn.qkv_proj.input_rounding());
         self.self_attn.fill_cache(normed, layer, rope, args);
     }
 }
@@ -927,7 +950,7 @@ impl CausalLm {
     /// `tokens`: `[batch, seq]` -> `[batch, seq, hidden]`
     pub fn hidden_states(&self, tokens: Tensor<2, Int>, mut args: ForwardArgs<'_>) -> Result<Tensor<3>> {
         let (stream, _) = self.run_layers(tokens, &mut args, self.layers.len())?;
-        Ok(stream.normed(&self.norm).1)
+        Ok(stream.normed(&self.norm, None).1 .0)
     }
 
     /// Runs `tokens` through the model only to append their keys and values to `args.cache`:

@@ -254,7 +254,7 @@ fn materialized_kernel_matches_burns_attention_and_an_f64_reference() {
         #[cfg(any(feature = "cuda", feature = "wgpu"))]
         if on_gpu(&device) && case.seq == 1 {
             let Inputs { qt, kt, vt, mask, .. } = case.inputs(&mut ChaCha8Rng::seed_from_u64(22), &device);
-            let kernel = troupe::model::fused::gpu::decode_attention(&qt, None, (&kt, &vt), &mask);
+            let kernel = troupe::model::fused::gpu::decode_attention(&qt, None, (&kt, &vt), &mask, None);
             assert!(kernel.is_some(), "{label}: the decoding kernel runs");
         }
     }

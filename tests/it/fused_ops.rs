@@ -1037,3 +1037,76 @@ fn few_row_adapter_deltas_equal_the_products_of_a_larger_batch_on_the_test_devic
         }
     }
 }
+
+/// The kernels before a frozen product in half precision write their output rounded for it
+/// (`*_rounded`): on a GPU the residual sum with its norm, the gate, and a decoding step's
+/// attention each give that rounding bit for bit as a cast of their f32 output gives it, and a
+/// frozen product fed it (`FrozenLinear::forward_rounded`) gives bit for bit the product of the
+/// f32 input, which rounds it itself: so a model's outputs do not change, one launch a product
+/// fewer. In bf16 on CUDA, in f16 on wgpu (whose shaders have no bf16); on the CPU no rounding
+/// is asked for (`input_rounding` is `None`) and none is written.
+#[test]
+fn kernels_before_a_half_precision_product_write_its_rounded_input_as_a_cast_does_on_the_test_device() {
+    use burn::tensor::{Bool, DType};
+    use troupe::model::fused::{add_rms_norm_rounded, attention_rounded, swiglu_stacked_rounded, HostMask};
+    use troupe::model::{AttentionKernel, LoadOptions, Model, Precision};
+
+    let device = crate::common::test_device();
+    let low = if troupe::device::is_cuda(&device) { Precision::Bf16 } else { Precision::F16 };
+    let model = Model::load(&LoadOptions::builtin(troupe::model::Preset::Tiny, 3).dtype(low), &device).unwrap();
+    let layer = &model.lm.layers[0];
+    let (qkv, gate_up, down, o) =
+        (&layer.self_attn.qkv_proj, &layer.mlp.gate_up_proj, &layer.mlp.down_proj, &layer.self_attn.o_proj);
+    let round = qkv.input_rounding();
+    if device == Device::flex() {
+        assert_eq!(round, None, "the CPU asks for no rounding");
+        return;
+    }
+    let dtype = round.expect("a half-precision weight on a GPU asks for its input rounded");
+    assert!(matches!(dtype, DType::BF16 | DType::F16));
+    let bits = |t: Tensor<3>| t.into_data().as_bytes().to_vec();
+    let rounded_as_cast = |f32s: &Tensor<3>, rounded: Option<Tensor<3>>, what: &str| {
+        let rounded = rounded.unwrap_or_else(|| panic!("{what}: the kernel wrote the rounding"));
+        assert_eq!(rounded.dtype(), dtype, "{what}");
+        assert_eq!(bits(rounded), bits(f32s.clone().cast(dtype)), "{what}: the rounding is a cast's");
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let hidden = model.lm.config.hidden_size;
+    let random3 =
+        |rng: &mut ChaCha8Rng, dims: [usize; 3]| random(rng, [dims[0] * dims[1], dims[2]], 2.0, &device).reshape(dims);
+
+    // The residual sum and its norm, over a decoding step's rows and a prefill's.
+    for dims in [[16, 1, hidden], [2, 37, hidden]] {
+        let (x, y) = (random3(&mut rng, dims), random3(&mut rng, dims));
+        let norm = &layer.post_attention_layernorm;
+        let (_, normed, rounded) = add_rms_norm_rounded(x, y, None, &norm.weight, norm.eps, Some(dtype));
+        rounded_as_cast(&normed, rounded.clone(), "residual sum and norm");
+        let fed = gate_up.forward_rounded(normed.clone(), rounded);
+        assert_eq!(bits(fed), bits(gate_up.forward(normed)), "the gate/up product fed the rounding");
+    }
+    // The gate, from the stacked gate/up output.
+    let width = model.lm.config.intermediate_size;
+    let gate_up_out = random3(&mut rng, [4, 3, 2 * width]);
+    let (gated, rounded) = swiglu_stacked_rounded(gate_up_out, None, None, Some(dtype));
+    rounded_as_cast(&gated, rounded.clone(), "gate");
+    assert_eq!(bits(down.forward_rounded(gated.clone(), rounded)), bits(down.forward(gated)), "the down product");
+
+    // A decoding step's attention, over a cache room whose last slots are not written yet.
+    let config = &model.lm.config;
+    let (rows, heads, kv_heads, dim, keys) =
+        (5, config.num_attention_heads, config.num_key_value_heads, config.head_dim, 40);
+    let q = random(&mut rng, [rows * heads, dim], 2.0, &device).reshape([rows, heads, 1, dim]);
+    let kv = |rng: &mut ChaCha8Rng| {
+        random(rng, [rows * kv_heads * keys, dim], 2.0, &device).reshape([rows, kv_heads, keys, dim])
+    };
+    let (k, v) = (kv(&mut rng), kv(&mut rng));
+    let hidden_keys: Vec<bool> = (0..rows).flat_map(|r| (0..keys).map(move |j| j >= 30 + r)).collect();
+    let mask = Tensor::<4, Bool>::from_data(TensorData::new(hidden_keys.clone(), [rows, 1, 1, keys]), &device);
+    let host_mask = std::sync::Arc::new(HostMask::new(hidden_keys, [rows, 1, keys]));
+    let (out, rounded) = attention_rounded(q, k, v, &mask, &host_mask, AttentionKernel::Materialized, Some(dtype));
+    let merged = |t: Tensor<4>| t.swap_dims(1, 2).reshape([rows, 1, heads * dim]);
+    let out = merged(out);
+    rounded_as_cast(&out, rounded.clone().map(merged), "decoding attention");
+    let rounded = rounded.map(merged);
+    assert_eq!(bits(o.forward_rounded(out.clone(), rounded)), bits(o.forward(out)), "the output product");
+}

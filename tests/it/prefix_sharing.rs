@@ -269,9 +269,15 @@ fn a_decoding_steps_attention_over_a_shared_prompt_matches_f64_on_the_test_devic
         if on_gpu {
             let index: Vec<i64> = group_of_row.iter().map(|&g| g as i64).collect();
             let of_row = Tensor::<1, burn::tensor::Int>::from_data(TensorData::new(index, [rows]), &device);
-            let kernel =
-                troupe::model::fused::gpu::decode_attention(&qt, Some((&pkt, &pvt, &of_row)), (&okt, &ovt), &mask)
-                    .expect("the decoding kernel runs on a GPU");
+            let kernel = troupe::model::fused::gpu::decode_attention(
+                &qt,
+                Some((&pkt, &pvt, &of_row)),
+                (&okt, &ovt),
+                &mask,
+                None,
+            )
+            .expect("the decoding kernel runs on a GPU")
+            .0;
             let kernel = kernel.into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
             assert_eq!(kernel, got, "attend runs the decoding kernel");
         }

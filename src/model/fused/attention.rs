@@ -494,6 +494,59 @@ pub fn attention(
     host_mask: &Arc<HostMask>,
     kernel: AttentionKernel,
 ) -> Tensor<4> {
+    attention_rounded(q, k, v, mask, host_mask, kernel, None).0
+}
+
+/// [`attention`], and given `round` (the half precision of the output projection's product,
+/// [`crate::model::layers::FrozenLinear::input_rounding`]) its output rounded to it where the
+/// decoding step's kernel wrote that too (`None` for it elsewhere).
+///
+/// # Shapes
+/// as [`attention`], the rounded output like the output
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
+pub fn attention_rounded(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: &Tensor<4, Bool>,
+    host_mask: &Arc<HostMask>,
+    kernel: AttentionKernel,
+    round: Option<DType>,
+) -> (Tensor<4>, Option<Tensor<4>>) {
+    if let Some(both) = decoding_step(&q, &k, &v, mask, kernel, round) {
+        return both;
+    }
+    (attention_without_rounding(q, k, v, mask, host_mask, kernel), None)
+}
+
+/// A decoding step's one kernel on a GPU (`super::gpu::decode_attention`), unless `kernel` runs
+/// flash; `None` where it does not run.
+#[allow(clippy::type_complexity)]
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
+fn decoding_step(
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+    mask: &Tensor<4, Bool>,
+    kernel: AttentionKernel,
+    round: Option<DType>,
+) -> Option<(Tensor<4>, Option<Tensor<4>>)> {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    if !kernel.runs_flash() {
+        return super::gpu::decode_attention(q, None, (k, v), mask, round);
+    }
+    None
+}
+
+/// [`attention`] but for a decoding step's kernel on a GPU.
+fn attention_without_rounding(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: &Tensor<4, Bool>,
+    host_mask: &Arc<HostMask>,
+    kernel: AttentionKernel,
+) -> Tensor<4> {
     let flex = on_flex(&q);
     let f32s = [&q, &k, &v].iter().all(|t| t.dtype() == DType::F32);
     if flex && f32s {
@@ -514,10 +567,6 @@ pub fn attention(
         if let Some(refusal) = refusal {
             warn_once(refusal);
         }
-        return out;
-    }
-    #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    if let Some(out) = super::gpu::decode_attention(&q, None, (&k, &v), mask) {
         return out;
     }
     #[cfg(any(feature = "cuda", feature = "wgpu"))]

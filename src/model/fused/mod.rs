@@ -39,13 +39,13 @@ pub mod swiglu;
 pub mod token_logprob;
 pub mod vexp;
 
-pub use attention::{attention, grouped_attention, HostMask};
+pub use attention::{attention, attention_rounded, grouped_attention, HostMask};
 pub use flash::{grouped_flash_attention, FlashRefusal};
 pub use linear::dense_linear;
 pub use matmul::batched_matmul;
-pub use rms_norm::{add_rms_norm, rms_norm};
+pub use rms_norm::{add_rms_norm, add_rms_norm_rounded, rms_norm};
 pub use rope::{rms_norm_rope, rms_norm_rope_pair, rope};
-pub use swiglu::{swiglu, swiglu_stacked};
+pub use swiglu::{swiglu, swiglu_stacked, swiglu_stacked_rounded};
 pub use token_logprob::{logsumexp, token_logprobs};
 
 /// `tensor`, copied to a contiguous layout if a stride is negative (a flipped view), so that

@@ -202,10 +202,32 @@ pub fn add_rms_norm<const D: usize>(
     weight: &Tensor<1>,
     eps: f64,
 ) -> (Tensor<D>, Tensor<D>) {
+    let (sum, normed, _) = add_rms_norm_rounded(x, y, extra, weight, eps, None);
+    (sum, normed)
+}
+
+/// [`add_rms_norm`], and given `round` (the half precision of the frozen product the norm
+/// feeds, [`crate::model::layers::FrozenLinear::input_rounding`]) the norm rounded to it, written
+/// by the same kernel on a GPU; `None` for it where no kernel wrote it (the product then rounds
+/// the norm itself).
+///
+/// # Shapes
+/// `x`, `y`, `extra`: `[..., width]`, `weight`: `[width]` -> (the sum, its norm, the norm
+/// rounded), like `x`
+#[allow(clippy::type_complexity)]
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
+pub fn add_rms_norm_rounded<const D: usize>(
+    x: Tensor<D>,
+    y: Tensor<D>,
+    extra: Option<Tensor<D>>,
+    weight: &Tensor<1>,
+    eps: f64,
+    round: Option<DType>,
+) -> (Tensor<D>, Tensor<D>, Option<Tensor<D>>) {
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if [&x, &y].into_iter().chain(extra.as_ref()).all(super::gpu::takes) && super::gpu::takes(weight) {
-        if let Some(both) = super::gpu::add_rms_norm(&x, &y, extra.as_ref(), weight, eps) {
-            return both;
+        if let Some(all) = super::gpu::add_rms_norm(&x, &y, extra.as_ref(), weight, eps, round) {
+            return all;
         }
     }
     let y = match extra {
@@ -213,7 +235,7 @@ pub fn add_rms_norm<const D: usize>(
         None => y,
     };
     let sum = x + y;
-    (sum.clone(), rms_norm(sum, weight, eps))
+    (sum.clone(), rms_norm(sum, weight, eps), None)
 }
 
 /// burn's composite RMS norm: square, mean, add, square root, reciprocal, two products.

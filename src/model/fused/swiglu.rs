@@ -421,6 +421,23 @@ pub fn swiglu_stacked<const D: usize>(
     delta_gate: Option<Tensor<D>>,
     delta_up: Option<Tensor<D>>,
 ) -> Tensor<D> {
+    swiglu_stacked_rounded(gate_up, delta_gate, delta_up, None).0
+}
+
+/// [`swiglu_stacked`], and given `round` (the half precision of the frozen product the gate
+/// feeds, [`crate::model::layers::FrozenLinear::input_rounding`]) its output rounded to it,
+/// written by the gate's kernel on a GPU without gradients; `None` for it elsewhere (the product
+/// then rounds the output itself).
+///
+/// # Shapes
+/// `gate_up`: `[..., 2 width]`, `delta_gate`, `delta_up`: `[..., width]` -> `[..., width]` each
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
+pub fn swiglu_stacked_rounded<const D: usize>(
+    gate_up: Tensor<D>,
+    delta_gate: Option<Tensor<D>>,
+    delta_up: Option<Tensor<D>>,
+    round: Option<DType>,
+) -> (Tensor<D>, Option<Tensor<D>>) {
     let mut half_dims = gate_up.dims();
     half_dims[D - 1] /= 2;
     let width = half_dims[D - 1];
@@ -430,7 +447,7 @@ pub fn swiglu_stacked<const D: usize>(
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     if shapes_fit && super::gpu::takes_tracked(&gate_up) {
         if let Some(out) = super::gpu::swiglu_stacked_tracked(&gate_up, delta_gate.as_ref(), delta_up.as_ref()) {
-            return out;
+            return (out, None);
         }
     }
     if !fused {
@@ -444,7 +461,11 @@ pub fn swiglu_stacked<const D: usize>(
             Some(d) => up + d,
             None => up,
         };
-        return swiglu(gate, up);
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if gate.dims() == up.dims() && [&gate, &up].into_iter().all(super::gpu::takes) {
+            return super::gpu::swiglu_rounded(gate, up, round);
+        }
+        return (swiglu(gate, up), None);
     }
     let out = match (delta_gate, delta_up) {
         (None, None) => <Dispatch as StackedSwiGluBackend>::swiglu_stacked(gate_up.into_dispatch()),
@@ -458,5 +479,5 @@ pub fn swiglu_stacked<const D: usize>(
             )
         }
     };
-    Tensor::from_dispatch(out)
+    (Tensor::from_dispatch(out), None)
 }

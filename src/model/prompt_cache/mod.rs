@@ -17,7 +17,7 @@
 //! attends to it in place, under autodiff one node ([`tracked`]) that keeps no probabilities and
 //! no per-row copy of the prompt, and recomputes the scores in its backward.
 
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
@@ -242,14 +242,36 @@ pub fn attend(
     own: (Tensor<4>, Tensor<4>),
     mask: &Tensor<4, Bool>,
 ) -> Tensor<4> {
+    attend_rounded(q, prompt, groups, own, mask, None).0
+}
+
+/// [`attend`], and given `round` (the half precision of the output projection's product,
+/// [`crate::model::layers::FrozenLinear::input_rounding`]) its output rounded to it where the
+/// decoding step's kernel wrote that too (`None` for it elsewhere).
+///
+/// # Shapes
+/// as [`attend`], the rounded output like the output
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(unused_variables))]
+pub fn attend_rounded(
+    q: Tensor<4>,
+    prompt: (Tensor<4>, Tensor<4>),
+    groups: &GroupLayout,
+    own: (Tensor<4>, Tensor<4>),
+    mask: &Tensor<4, Bool>,
+    round: Option<DType>,
+) -> (Tensor<4>, Option<Tensor<4>>) {
     let [rows, heads, seq, head_dim] = q.dims();
     let kv_heads = prompt.0.dims()[1];
     debug_assert_eq!(prompt.0.dims()[0], groups.groups, "one prompt per group");
     // A decoding step on a GPU: one kernel reading each row's group.
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
-    if let Some(out) =
-        super::fused::gpu::decode_attention(&q, Some((&prompt.0, &prompt.1, &groups.of_row)), (&own.0, &own.1), mask)
-    {
+    if let Some(out) = super::fused::gpu::decode_attention(
+        &q,
+        Some((&prompt.0, &prompt.1, &groups.of_row)),
+        (&own.0, &own.1),
+        mask,
+        round,
+    ) {
         return out;
     }
     let parts = TwoParts { groups, mask, scale: (1.0 / (head_dim as f64).sqrt()) as f32 };
@@ -265,7 +287,7 @@ pub fn attend(
     } else {
         parts.forward(&inputs)
     };
-    out.reshape([rows, heads, seq, head_dim])
+    (out.reshape([rows, heads, seq, head_dim]), None)
 }
 
 /// The two-part attention's fixed arguments: which rows read which prompt, the mask, the scale.

@@ -21,10 +21,10 @@
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::Cube;
-use burn::tensor::{Bool, Int, Shape, Tensor};
+use burn::tensor::{Bool, DType, Int, Shape, Tensor};
 use burn_cubecl::kernel::untile;
 
-use super::{empty_of, row_launch, Primitive};
+use super::{empty_of, rounded_output, row_launch, Primitive};
 
 /// The most query positions a row may have for [`decode_attention`] to run: a decoding step's
 /// one.
@@ -71,11 +71,12 @@ mod kernel {
     /// the prompt of the row's group (`prompt_k`/`prompt_v`: `[groups, kv_heads, prompt,
     /// head_dim]`, the group `group[r]`), then the row's own (`own_k`/`own_v`: `[rows, kv_heads,
     /// own, head_dim]`); without `two_parts` only its own (the prompt's tensors and `group` are
-    /// not read). `units` is the cube's size, a power of two, at least `head_dim`.
+    /// not read). When `round`, `rounded` (contiguous, `out`'s shape) gets the output rounded to
+    /// `R` too. `units` is the cube's size, a power of two, at least `head_dim`.
     #[cube(launch)]
     // The mask is read only for a key of the row (nested ifs: a kernel's `&&` need not stop early).
     #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-    pub(super) fn decode_attention_kernel<M: Numeric, G: Numeric>(
+    pub(super) fn decode_attention_kernel<M: Numeric, G: Numeric, R: Float>(
         q: &Tensor<f32>,
         prompt_k: &Tensor<f32>,
         prompt_v: &Tensor<f32>,
@@ -84,12 +85,15 @@ mod kernel {
         own_v: &Tensor<f32>,
         mask: &Tensor<M>,
         out: &mut Tensor<f32>,
+        rounded: &mut Tensor<R>,
         query_rows: usize,
         scale: f32,
         #[comptime] two_parts: bool,
+        #[comptime] round: bool,
         #[comptime] units: usize,
         #[define(M)] _mask_type: ElemType,
         #[define(G)] _group_type: ElemType,
+        #[define(R)] _rounded_type: ElemType,
     ) {
         let query = cube_row();
         let unit = UNIT_POS_X as usize;
@@ -178,6 +182,9 @@ mod kernel {
             if unit < head_dim {
                 let value = if running_sum > 0.0 { column / running_sum } else { 0.0f32 };
                 out[query * head_dim + unit] = value;
+                if round {
+                    rounded[query * head_dim + unit] = R::cast_from(value);
+                }
             }
         }
     }
@@ -202,18 +209,22 @@ pub fn applies(q: &Tensor<4>, keys: &[&Tensor<4>], mask: &Tensor<4, Bool>) -> bo
 /// `1 / sqrt(head_dim)`, in one kernel launch: over each row's own keys and values, or, given
 /// `prompt` (each group's prompt keys and values, and each row's group), over its group's prompt
 /// followed by its own, as attention over each row's copy of the prompt joined to its own keys
-/// computes. For tensors [`applies`] accepts; `None` (nothing run) otherwise.
+/// computes; given `round` (the half precision of the output projection's product,
+/// [`super::rounding`]), also the output rounded to it. For tensors [`applies`] accepts; `None`
+/// (nothing run) otherwise.
 ///
 /// # Shapes
 /// `q`: `[rows, heads, seq, head_dim]`; `prompt`: `[groups, kv_heads, prompt, head_dim]` each
 /// and `[rows]`; `own`: `[rows, kv_heads, own, head_dim]` each; `mask`: `[rows, 1, seq, prompt +
-/// own]` (`true`: hidden) -> `[rows, heads, seq, head_dim]`
+/// own]` (`true`: hidden) -> `[rows, heads, seq, head_dim]` (and rounded, the same)
+#[allow(clippy::type_complexity)]
 pub fn decode_attention(
     q: &Tensor<4>,
     prompt: Option<(&Tensor<4>, &Tensor<4>, &Tensor<1, Int>)>,
     own: (&Tensor<4>, &Tensor<4>),
     mask: &Tensor<4, Bool>,
-) -> Option<Tensor<4>> {
+    round: Option<DType>,
+) -> Option<(Tensor<4>, Option<Tensor<4>>)> {
     let mut keys = vec![own.0, own.1];
     if let Some((k, v, _)) = prompt {
         keys.extend([k, v]);
@@ -240,6 +251,7 @@ pub fn decode_attention(
     };
     let group_type = dtype_to_storage_type(group.dtype);
     let out = empty_of(&qp, Shape::new([rows, kv_heads, folded, head_dim]));
+    let (rounded, rounded_type, writes) = rounded_output(&qp, out.meta.shape().clone(), round);
     let query_rows = rows * kv_heads * folded;
     if query_rows > 0 && head_dim > 0 {
         let (count, cube_dim, units) = row_launch(query_rows, head_dim);
@@ -256,13 +268,17 @@ pub fn decode_attention(
             own_v.into_tensor_arg(),
             mp.into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            rounded.clone().into_tensor_arg(),
             query_rows,
             (1.0 / (head_dim as f64).sqrt()) as f32,
             two_parts,
+            writes,
             units,
             mask_type,
             group_type,
+            rounded_type,
         );
     }
-    Some(Tensor::<4>::from_primitive::<Cube>(out).reshape([rows, heads, seq, head_dim]))
+    let shaped = |t: Primitive| Tensor::<4>::from_primitive::<Cube>(t).reshape([rows, heads, seq, head_dim]);
+    Some((shaped(out), writes.then(|| shaped(rounded))))
 }

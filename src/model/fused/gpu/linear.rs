@@ -30,7 +30,8 @@ use super::{apply_tracked, Primitive, TrackedOp};
 /// written in f32; `None` where burn's matmul cannot write f32 from that type on this device.
 fn product(x: Primitive, weight: &Primitive, transposed: bool) -> Option<Primitive> {
     let low = weight.dtype;
-    let lhs = if low == DType::F32 { x } else { cast(untile(x), low) };
+    // An `x` already in the weight's type was rounded by the kernel that wrote it.
+    let lhs = if low == DType::F32 || x.dtype == low { x } else { cast(untile(x), low) };
     let rhs = if transposed { transpose(weight) } else { weight.clone() };
     matmul(lhs, rhs, None, MatmulStrategy::default(), DType::F32).ok()
 }
@@ -86,6 +87,34 @@ pub fn frozen_linear(x: &Tensor<2>, weight: &Tensor<2>) -> Option<Tensor<2>> {
         return product(xp, &wp, true).map(Tensor::from_primitive::<Cube>);
     }
     apply_tracked(Frozen { weight: wp }, [x.clone()])
+}
+
+/// The half precision a frozen product by `weight` rounds its input to ([`frozen_linear`]), for
+/// a kernel before the product to write its output rounded so too, in place of the product's
+/// cast; `None` for a weight in f32, with troupe's kernels off, or where [`frozen_linear`] would
+/// not run.
+pub fn rounding(weight: &Tensor<2>) -> Option<DType> {
+    if !super::enabled() || weight.is_autodiff() {
+        return None;
+    }
+    let dtype = frozen_weight(weight)?.dtype;
+    (dtype != DType::F32).then_some(dtype)
+}
+
+/// [`frozen_linear`] of an `x` already rounded to the weight's type ([`rounding`]: a kernel
+/// before the product wrote it so), written in f32: the product's one launch. `None`, with
+/// nothing run, for an `x` of another type, under autodiff, or where [`frozen_linear`] would not
+/// run.
+///
+/// # Shapes
+/// `x`: `[rows, in]`, `weight`: `[out, in]` -> `[rows, out]`
+pub fn frozen_linear_rounded(x: &Tensor<2>, weight: &Tensor<2>) -> Option<Tensor<2>> {
+    if x.is_autodiff() || rounding(weight) != Some(x.dtype()) {
+        return None;
+    }
+    let wp = frozen_weight(weight)?;
+    let xp = x.clone().try_into_primitive::<Cube>().ok()?;
+    product(xp, &wp, true).map(Tensor::from_primitive::<Cube>)
 }
 
 /// `dy W` for a frozen `W` (`[out, in]`) on a cubecl device, in f32 (`dy` rounded to `W`'s

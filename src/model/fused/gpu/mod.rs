@@ -40,10 +40,12 @@
 use std::sync::OnceLock;
 
 use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Cube, DispatchDevice};
 use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::cubecl::calculate_cube_count_elemwise;
+use burn_cubecl::cubecl::ir::ElemType;
 use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
@@ -62,14 +64,14 @@ mod token_logprob;
 pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked, masked_softmax, softmax_grad};
 pub use decode_attention::{applies as decode_attention_applies, decode_attention, MAX_QUERIES as DECODE_MAX_QUERIES};
-pub use linear::{frozen_linear, frozen_linear_backward};
+pub use linear::{frozen_linear, frozen_linear_backward, frozen_linear_rounded, rounding};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
 pub use norm_rope::{rms_norm_rope, rms_norm_rope_pair};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
 pub use sample::{sample_rows, samples};
 pub use split::stacked_parts_tracked;
-pub use swiglu::{swiglu, swiglu_stacked_tracked};
+pub use swiglu::{swiglu, swiglu_rounded, swiglu_stacked_tracked};
 pub use token_logprob::{token_logprobs, token_logprobs_and_complement};
 
 /// The most cubes a grid dimension holds on every cubecl runtime (Vulkan's minimum).
@@ -153,6 +155,19 @@ fn empty_like(like: &Primitive) -> Primitive {
 /// An empty contiguous f32 tensor of `shape` on `like`'s device, for a kernel's output.
 fn empty_of(like: &Primitive, shape: Shape) -> Primitive {
     empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, DType::F32)
+}
+
+/// A kernel's second output, its first rounded to `dtype` (the half precision of the frozen
+/// product it feeds, [`rounding`]): an empty contiguous tensor of `shape` in `dtype`, or, with
+/// no rounding asked, a one-value f32 tensor the kernel is given and does not write. Returns the
+/// tensor, its element type for the kernel's definition, and whether the kernel writes it.
+fn rounded_output(like: &Primitive, shape: Shape, dtype: Option<DType>) -> (Primitive, ElemType, bool) {
+    let (shape, dtype, writes) = match dtype {
+        Some(dtype) => (shape, dtype, true),
+        None => (Shape::new([1]), DType::F32, false),
+    };
+    let out = empty_device_contiguous_dtype(like.client.clone(), like.device.clone(), shape, dtype);
+    (out, dtype_to_storage_type(dtype), writes)
 }
 
 /// The launch of an element-wise kernel over `count` values: one unit per value, 256 a cube.

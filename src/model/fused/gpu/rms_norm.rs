@@ -14,11 +14,11 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Cube};
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::kernel::{into_contiguous, untile};
 
-use super::{apply_tracked, empty_like, row_launch, Primitive, TrackedOp};
+use super::{apply_tracked, empty_like, rounded_output, row_launch, Primitive, TrackedOp};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -45,21 +45,25 @@ mod kernel {
 
     /// One cube per row: `sum = x + (y + extra)` (`extra` read only `with_extra`) and
     /// `out = sum / sqrt(mean(sum^2) + eps) * weight`, the residual stream's sum and its norm as
-    /// the two sums and [`rms_norm_kernel`] apart give them. `x`, `y` and `extra` are
-    /// `[..., width]` of any strides; `sum` and `out` contiguous, of their shape.
+    /// the two sums and [`rms_norm_kernel`] apart give them, and when `round`, `rounded` (of
+    /// `out`'s shape, contiguous) `out` rounded to `R`. `x`, `y` and `extra` are `[..., width]`
+    /// of any strides; `sum` and `out` contiguous, of their shape.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn add_rms_norm_kernel(
+    pub(super) fn add_rms_norm_kernel<R: Float>(
         x: &Tensor<f32>,
         y: &Tensor<f32>,
         extra: &Tensor<f32>,
         weight: &Tensor<f32>,
         sum: &mut Tensor<f32>,
         out: &mut Tensor<f32>,
+        rounded: &mut Tensor<R>,
         rows: usize,
         eps: f32,
         #[comptime] units: usize,
         #[comptime] with_extra: bool,
+        #[comptime] round: bool,
+        #[define(R)] _rounded_type: ElemType,
     ) {
         let row = cube_row();
         let unit = UNIT_POS_X as usize;
@@ -89,7 +93,11 @@ mod kernel {
             // Each unit reads back the values it wrote.
             let mut i = unit;
             while i < width {
-                out[base + i] = sum[base + i] * inverse * weight[i * weight.stride(0)];
+                let normed = sum[base + i] * inverse * weight[i * weight.stride(0)];
+                out[base + i] = normed;
+                if round {
+                    rounded[base + i] = R::cast_from(normed);
+                }
                 i += units_here;
             }
         }
@@ -186,19 +194,23 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
 }
 
 /// The residual stream's sum `x + (y + extra)` and its RMS norm in one kernel launch, for plain
-/// f32 tensors on a cubecl device ([`super::takes`], which the caller checks); `None`, with
-/// nothing run, when a tensor is not a cubecl primitive or the shapes differ.
+/// f32 tensors on a cubecl device ([`super::takes`], which the caller checks), and given
+/// `round`, the norm rounded to that type too (for the frozen product it feeds,
+/// [`super::rounding`]); `None`, with nothing run, when a tensor is not a cubecl primitive or
+/// the shapes differ.
 ///
 /// # Shapes
-/// `x`, `y`, `extra`: `[..., width]`, `weight`: `[width]` -> (the sum, its norm), like `x`
-/// (contiguous)
+/// `x`, `y`, `extra`: `[..., width]`, `weight`: `[width]` -> (the sum, its norm, the norm
+/// rounded), like `x` (contiguous)
+#[allow(clippy::type_complexity)]
 pub fn add_rms_norm<const D: usize>(
     x: &Tensor<D>,
     y: &Tensor<D>,
     extra: Option<&Tensor<D>>,
     weight: &Tensor<1>,
     eps: f64,
-) -> Option<(Tensor<D>, Tensor<D>)> {
+    round: Option<DType>,
+) -> Option<(Tensor<D>, Tensor<D>, Option<Tensor<D>>)> {
     if y.dims() != x.dims() || extra.is_some_and(|e| e.dims() != x.dims()) {
         return None;
     }
@@ -210,6 +222,7 @@ pub fn add_rms_norm<const D: usize>(
     };
     let wp = into_contiguous(weight.clone().try_into_primitive::<Cube>().ok()?);
     let (sum, out) = (empty_like(&xp), empty_like(&xp));
+    let (rounded, rounded_type, writes) = rounded_output(&xp, xp.meta.shape().clone(), round);
     if let Some(grid) = RowGrid::of(&xp) {
         let client = xp.client.clone();
         let with_extra = ep.is_some();
@@ -223,13 +236,17 @@ pub fn add_rms_norm<const D: usize>(
             wp.into_tensor_arg(),
             sum.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            rounded.clone().into_tensor_arg(),
             grid.rows,
             eps as f32,
             grid.units,
             with_extra,
+            writes,
+            rounded_type,
         );
     }
-    Some((Tensor::from_primitive::<Cube>(sum), Tensor::from_primitive::<Cube>(out)))
+    let rounded = writes.then(|| Tensor::from_primitive::<Cube>(rounded));
+    Some((Tensor::from_primitive::<Cube>(sum), Tensor::from_primitive::<Cube>(out), rounded))
 }
 
 /// [`rms_norm`] for an f32 `x` under autodiff on a cubecl device ([`super::takes_tracked`]), its

@@ -16,11 +16,13 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Cube};
-use burn::tensor::{Shape, Tensor};
+use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::kernel::{into_contiguous, untile};
 use burn_cubecl::ops::numeric::add;
 
-use super::{apply_tracked, elementwise_launch, empty_like, empty_of, last_dim_slice, Primitive, TrackedOp};
+use super::{
+    apply_tracked, elementwise_launch, empty_like, empty_of, last_dim_slice, rounded_output, Primitive, TrackedOp,
+};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -44,16 +46,28 @@ mod kernel {
     }
 
     /// One unit per value of `out` (contiguous, `gate`'s shape): `silu(gate) * up`, `gate` and
-    /// `up` of one shape and any strides.
+    /// `up` of one shape and any strides; when `round`, `rounded` (contiguous, `out`'s shape)
+    /// gets the value rounded to `R` too.
     #[cube(launch)]
-    pub(super) fn swiglu_kernel(gate: &Tensor<f32>, up: &Tensor<f32>, out: &mut Tensor<f32>) {
+    pub(super) fn swiglu_kernel<R: Float>(
+        gate: &Tensor<f32>,
+        up: &Tensor<f32>,
+        out: &mut Tensor<f32>,
+        rounded: &mut Tensor<R>,
+        #[comptime] round: bool,
+        #[define(R)] _rounded_type: ElemType,
+    ) {
         let index = ABSOLUTE_POS;
         if index < out.len() {
             let at_gate = strided_offset(gate, index);
             let at_up = strided_offset(up, index);
             let x = gate[at_gate];
             let sigmoid = f32::exp(-f32::ln(f32::exp(-x) + 1.0f32));
-            out[index] = x * sigmoid * up[at_up];
+            let value = x * sigmoid * up[at_up];
+            out[index] = value;
+            if round {
+                rounded[index] = R::cast_from(value);
+            }
         }
     }
 
@@ -89,32 +103,55 @@ mod kernel {
 /// # Shapes
 /// `gate`, `up`: `[..., width]` -> like `gate` (contiguous)
 pub fn swiglu<const D: usize>(gate: Tensor<D>, up: Tensor<D>) -> Tensor<D> {
+    swiglu_rounded(gate, up, None).0
+}
+
+/// [`swiglu`], and given `round` (the half precision of the frozen product the gate feeds,
+/// [`super::rounding`]) its output rounded to that type, written by the same kernel (`None` for
+/// it where burn's composite ran).
+///
+/// # Shapes
+/// `gate`, `up`: `[..., width]` -> like `gate` (contiguous) each
+pub fn swiglu_rounded<const D: usize>(
+    gate: Tensor<D>,
+    up: Tensor<D>,
+    round: Option<DType>,
+) -> (Tensor<D>, Option<Tensor<D>>) {
     let primitives = (gate.clone().try_into_primitive::<Cube>(), up.clone().try_into_primitive::<Cube>());
     let (Ok(gp), Ok(up_p)) = primitives else {
-        return burn::tensor::activation::silu(gate) * up;
+        return (burn::tensor::activation::silu(gate) * up, None);
     };
-    Tensor::from_primitive::<Cube>(forward(gp, up_p))
+    let (out, rounded) = forward_rounded(gp, up_p, round);
+    (Tensor::from_primitive::<Cube>(out), rounded.map(Tensor::from_primitive::<Cube>))
 }
 
 /// The gate's launch: `silu(gate) * up` into a new contiguous tensor.
 fn forward(gate: Primitive, up: Primitive) -> Primitive {
+    forward_rounded(gate, up, None).0
+}
+
+/// [`forward`], and given `round` the output rounded to it, from the same launch.
+fn forward_rounded(gate: Primitive, up: Primitive, round: Option<DType>) -> (Primitive, Option<Primitive>) {
     let (gate, up) = (untile(gate), untile(up));
     let out = empty_like(&gate);
+    let (rounded, rounded_type, writes) = rounded_output(&gate, gate.meta.shape().clone(), round);
     let count = gate.meta.shape().num_elements();
-    if count == 0 {
-        return out;
+    if count > 0 {
+        let (cube_count, cube_dim) = elementwise_launch(&gate, count);
+        let client = gate.client.clone();
+        kernel::swiglu_kernel::launch(
+            &client,
+            cube_count,
+            cube_dim,
+            gate.into_tensor_arg(),
+            up.into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            rounded.clone().into_tensor_arg(),
+            writes,
+            rounded_type,
+        );
     }
-    let (cube_count, cube_dim) = elementwise_launch(&gate, count);
-    let client = gate.client.clone();
-    kernel::swiglu_kernel::launch(
-        &client,
-        cube_count,
-        cube_dim,
-        gate.into_tensor_arg(),
-        up.into_tensor_arg(),
-        out.clone().into_tensor_arg(),
-    );
-    out
+    (out, writes.then_some(rounded))
 }
 
 /// `silu(gate) * up` with `[gate, up]` the halves of `gate_up`'s last dimension, each plus its
