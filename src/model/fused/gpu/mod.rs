@@ -35,6 +35,10 @@
 //!   keeping no probabilities, its backward recomputing them, then four products around one
 //!   kernel.
 //!
+//! With the base in bf16 or f16 the residual sum with its norm, the gate and a decoding step's
+//! attention also write their output rounded for the frozen product it feeds ([`rounding`],
+//! [`frozen_linear_rounded`]), in place of that product's cast.
+//!
 //! For other dtypes and with `TROUPE_GPU_KERNELS=burn`, burn's composites run.
 
 use std::sync::OnceLock;
