@@ -43,7 +43,8 @@ mod counts {
     use troupe::adapters::{AdamWConfig, AdamWState, AdapterConfig, MultiAdapterManager};
     use troupe::generate::choice::ChoiceScore;
     use troupe::generate::{generate, next_token_logprobs, GenerateOptions, SamplingConfig, ScoringBatch};
-    use troupe::model::{ForwardArgs, LoadOptions, Model, Preset, SequenceLayout};
+    use troupe::model::prompt_cache::PromptCache;
+    use troupe::model::{CausalLm, ForwardArgs, LoadOptions, Model, Preset, ProjectionDelta, SequenceLayout};
     use troupe::rl::credit::batch::{TrainBatch, TrainRow};
     use troupe::rl::objective::{KlPenalty, Objective, ObjectiveConfig};
     use troupe::rl::update::Scorer;
@@ -95,6 +96,31 @@ mod counts {
         out
     }
 
+    /// The launches of a greedy generation's first token (the prefill and the first draw) and of
+    /// the eight tokens decoded after it (the counts of nine tokens less one's), each counted
+    /// after a first run compiled the kernels.
+    fn decode_counts(
+        lm: &CausalLm,
+        prompts: &[Vec<u32>],
+        delta: Option<&dyn ProjectionDelta>,
+    ) -> (BTreeMap<&'static str, usize>, BTreeMap<&'static str, usize>) {
+        let run = |n| {
+            let options = GenerateOptions {
+                max_new_tokens: n,
+                sampling: SamplingConfig::greedy(),
+                seed: 0,
+                stop_at_eos: false,
+                use_cache: true,
+            };
+            counted(|| generate(lm, &[], prompts, &options, delta).unwrap()).1
+        };
+        run(9);
+        let one = run(1);
+        let nine = run(9);
+        let per_token = diff(&nine, &one);
+        (one, per_token)
+    }
+
     pub fn main() {
         let device = troupe::device::default_device().expect("TROUPE_DEVICE");
         let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
@@ -113,40 +139,18 @@ mod counts {
         if want("decode") {
             for batch in [1usize, 16] {
                 let prompts = rows(&mut rng, batch, 16);
-                let options = |n| GenerateOptions {
-                    max_new_tokens: n,
-                    sampling: SamplingConfig::greedy(),
-                    seed: 0,
-                    stop_at_eos: false,
-                    use_cache: true,
-                };
-                let run = |n| counted(|| generate(&model.lm, &[], &prompts, &options(n), None).unwrap()).1;
-                run(9);
-                let one = run(1);
-                let nine = run(9);
+                let (one, per_token) = decode_counts(&model.lm, &prompts, None);
                 report(&format!("generate b{batch}, first token (prefill 16)"), &one, 1.0);
-                report(&format!("decode b{batch}, per token"), &diff(&nine, &one), 8.0);
+                report(&format!("decode b{batch}, per token"), &per_token, 8.0);
             }
             // A rollout's decoding: 16 rows, two agents' adapters (r8 on q,k,v,o) in turn.
             let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
             manager.create_adapters(2, &AdapterConfig::default()).unwrap();
             let agents: Vec<Option<usize>> = (0..16).map(|i| Some(i % 2)).collect();
             let prompts = rows(&mut rng, 16, 16);
-            let run = |n| {
-                let options = GenerateOptions {
-                    max_new_tokens: n,
-                    sampling: SamplingConfig::greedy(),
-                    seed: 0,
-                    stop_at_eos: false,
-                    use_cache: true,
-                };
-                let (delta, _) = manager.mixed(&agents, false).unwrap();
-                counted(|| generate(&model.lm, &[], &prompts, &options, Some(&delta)).unwrap()).1
-            };
-            run(9);
-            let one = run(1);
-            let nine = run(9);
-            report("decode b16, two adapters, per token", &diff(&nine, &one), 8.0);
+            let (delta, _) = manager.mixed(&agents, false).unwrap();
+            let (_, per_token) = decode_counts(&model.lm, &prompts, Some(&delta));
+            report("decode b16, two adapters, per token", &per_token, 8.0);
 
             // A GRPO rollout's decoding: two groups of 8 replies to one prompt (48 tokens) each,
             // group g on agent g's adapter, the prompt held once per group (`shared`) and copied
@@ -154,30 +158,14 @@ mod counts {
             let agents: Vec<Option<usize>> = (0..16).map(|i| Some(i / 8)).collect();
             let group_prompts = rows(&mut rng, 2, 48);
             let prompts: Vec<Vec<u32>> = (0..16).map(|i| group_prompts[i / 8].clone()).collect();
+            let (delta, _) = manager.mixed(&agents, false).unwrap();
             let mut lm = model.lm.clone();
-            for cache in
-                [troupe::model::prompt_cache::PromptCache::Shared, troupe::model::prompt_cache::PromptCache::Copied]
-            {
+            for cache in [PromptCache::Shared, PromptCache::Copied] {
                 lm.set_prompt_cache(cache);
-                let run = |n| {
-                    let options = GenerateOptions {
-                        max_new_tokens: n,
-                        sampling: SamplingConfig::greedy(),
-                        seed: 0,
-                        stop_at_eos: false,
-                        use_cache: true,
-                    };
-                    let (delta, _) = manager.mixed(&agents, false).unwrap();
-                    counted(|| generate(&lm, &[], &prompts, &options, Some(&delta)).unwrap()).1
-                };
-                run(9);
-                let one = run(1);
-                let nine = run(9);
-                report(
-                    &format!("decode b16 in 2 groups of 8, two adapters, prompt cache {}, per token", cache.name()),
-                    &diff(&nine, &one),
-                    8.0,
-                );
+                let (_, per_token) = decode_counts(&lm, &prompts, Some(&delta));
+                let label =
+                    format!("decode b16 in 2 groups of 8, two adapters, prompt cache {}, per token", cache.name());
+                report(&label, &per_token, 8.0);
             }
         }
         if want("prefill") {
