@@ -5,8 +5,8 @@
 //! At a decoding step the attention is launch-bound: its two products and the softmax kernel
 //! between them ([`super::attention`]) are three launches a layer, and over a shared prompt the
 //! two parts' products, the layout copies putting a group's rows side by side and back, the
-//! scores' join and the values' sum made it about twelve. Here one cube takes one query row
-//! (a row's query head), walks its keys in tiles of the cube's size (the prompt's first, read
+//! scores' join and the values' sum made it fourteen. Here one cube takes one query row (a
+//! row's query head), walks its keys in tiles of the cube's size (the prompt's first, read
 //! from the row's group, then the row's own), and keeps a running maximum, sum and weighted sum
 //! of values (the online softmax of FlashAttention): one launch a layer, no scores written. Each
 //! unit scores one key of a tile; the units below `head_dim` then each add one column of the

@@ -10,7 +10,7 @@
 //! - [`attention()`]: the two products around one softmax kernel instead of nine kernels, and
 //!   the grouped-query heads' mask read in place instead of repeated.
 //! - [`decode_attention()`]: a decoding step's attention, over one cache part or a shared
-//!   prompt and each row's own, as one kernel instead of three (or about twelve over two parts).
+//!   prompt and each row's own, as one kernel instead of three (or fourteen over two parts).
 //! - [`rms_norm_rope()`]: Qwen3's per-head norm of the queries and keys and their rotation as
 //!   one kernel, where the two above are two launches.
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
