@@ -446,7 +446,7 @@ fn head_parts(stacked: Tensor<3>, widths: &[usize], head_dim: usize) -> Vec<Tens
 /// [`split_project`]).
 fn project(
     linear: &FrozenLinear,
-    x: (Tensor<3>, Option<Tensor<3>>),
+    x: Rounded,
     layer: usize,
     projection: Projection,
     delta: Option<&dyn ProjectionDelta>,
@@ -464,7 +464,7 @@ fn project(
 /// `x`, `rounded`: `[batch, seq, in]` -> `[batch, seq, out]` each
 fn project_apart(
     linear: &FrozenLinear,
-    (x, rounded): (Tensor<3>, Option<Tensor<3>>),
+    (x, rounded): Rounded,
     layer: usize,
     projection: Projection,
     delta: Option<&dyn ProjectionDelta>,
@@ -644,7 +644,7 @@ impl Mlp {
 type Rounded = (Tensor<3>, Option<Tensor<3>>);
 
 /// The residual stream between decoder layers: its value, and the last layer's MLP output when
-/// it is not added yet. The next norm adds it (one kernel on a GPU, [`add_rms_norm`]), where a
+/// it is not added yet. The next norm adds it (one kernel on a GPU, [`add_rms_norm_rounded`]), where a
 /// sum and then the norm were two launches a layer; elsewhere the sum and the norm run apart,
 /// as they did.
 pub(crate) struct Residual {

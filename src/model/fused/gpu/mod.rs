@@ -67,7 +67,7 @@ mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked, masked_softmax, softmax_grad};
-pub use decode_attention::{applies as decode_attention_applies, decode_attention, MAX_QUERIES as DECODE_MAX_QUERIES};
+pub use decode_attention::decode_attention;
 pub use linear::{frozen_linear, frozen_linear_backward, frozen_linear_rounded, rounding};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
 pub use norm_rope::{rms_norm_rope, rms_norm_rope_pair};
