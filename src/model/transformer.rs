@@ -260,9 +260,20 @@ impl KvCache {
                     }
                 };
                 let (past_k, past_v) = self.layers[layer].take().unzip();
+                let rooms = (reserve(past_k), reserve(past_v));
+                // The past buffers are held only here, so the writes happen in place: one kernel
+                // for both on a GPU, a slice write each elsewhere.
+                #[cfg(any(feature = "cuda", feature = "wgpu"))]
+                let rooms = match super::fused::gpu::cache_write(rooms, &keys, &values, start) {
+                    Ok(written) => {
+                        self.filled[layer] += keys_len;
+                        self.layers[layer] = Some(written.clone());
+                        return written;
+                    }
+                    Err(rooms) => rooms,
+                };
                 let at = [0..batch, 0..heads, start..start + seq, 0..dim];
-                // The past buffers are held only here, so the writes happen in place.
-                (reserve(past_k).slice_assign(at.clone(), keys), reserve(past_v).slice_assign(at, values))
+                (rooms.0.slice_assign(at.clone(), keys), rooms.1.slice_assign(at, values))
             }
         };
         self.filled[layer] += keys_len;

@@ -1110,3 +1110,55 @@ fn kernels_before_a_half_precision_product_write_its_rounded_input_as_a_cast_doe
     let rounded = rounded.map(merged);
     assert_eq!(bits(o.forward_rounded(out.clone(), rounded)), bits(o.forward(out)), "the output product");
 }
+
+/// A reserved cache's one-kernel write of a step's keys and values (`fused::gpu::cache_write`)
+/// against burn's slice writes, bit for bit: into f32 rooms and into rooms in half precision
+/// (bf16 under CUDA, f16 elsewhere: wgpu's shaders have no bf16), the values strided as the
+/// q/k/v product's view gives them, at a decoding step and over several slots. Rooms another
+/// tensor still holds are refused, nothing written.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[test]
+fn a_reserved_caches_one_kernel_write_equals_burns_slice_writes_on_the_test_device() {
+    use burn::tensor::DType;
+    use troupe::model::fused::gpu::cache_write;
+
+    let device = crate::common::test_device();
+    if device == Device::flex() {
+        return;
+    }
+    let half = if troupe::device::is_cuda(&device) { DType::BF16 } else { DType::F16 };
+    let mut rng = ChaCha8Rng::seed_from_u64(18);
+    let bits = |t: Tensor<4>| t.into_data().as_bytes().to_vec();
+    // (batch, heads, room, head dim, new slots, first new slot)
+    for (batch, heads, room, dim, seq, start) in [(16, 8, 40, 128, 1, 17), (3, 2, 12, 8, 5, 6), (2, 1, 4, 4, 4, 0)] {
+        let case = format!("{batch} x {heads} heads x {seq} of {room} slots from {start} x {dim}");
+        let room_data = |rng: &mut ChaCha8Rng| random(rng, [batch * heads * room, dim], 2.0, &device).into_data();
+        let (key_room, value_room) = (room_data(&mut rng), room_data(&mut rng));
+        let keys = random(&mut rng, [batch * heads * seq, dim], 2.0, &device).reshape([batch, heads, seq, dim]);
+        // The values as a view of `[batch, seq, heads, head_dim]`, heads first.
+        let values = random(&mut rng, [batch * seq * heads, dim], 2.0, &device)
+            .reshape([batch, seq, heads, dim])
+            .swap_dims(1, 2);
+        for dtype in [DType::F32, half] {
+            let room = |data: &TensorData| {
+                Tensor::<2>::from_data(data.clone(), &device).reshape([batch, heads, room, dim]).cast(dtype)
+            };
+            let at = [0..batch, 0..heads, start..start + seq, 0..dim];
+            let want_k = room(&key_room).slice_assign(at.clone(), keys.clone().cast(dtype));
+            let want_v = room(&value_room).slice_assign(at, values.clone().cast(dtype));
+            let Ok((got_k, got_v)) = cache_write((room(&key_room), room(&value_room)), &keys, &values, start) else {
+                panic!("{case}, {dtype:?}: the kernel takes rooms nothing else holds");
+            };
+            assert_eq!((got_k.dtype(), got_v.dtype()), (dtype, dtype), "{case}");
+            assert_eq!(bits(got_k), bits(want_k), "{case}, {dtype:?}: keys");
+            assert_eq!(bits(got_v), bits(want_v), "{case}, {dtype:?}: values");
+        }
+        let (held_k, held_v) =
+            (Tensor::<2>::from_data(key_room.clone(), &device), Tensor::<2>::from_data(value_room, &device));
+        let shape = [batch, heads, room, dim];
+        let refused =
+            cache_write((held_k.clone().reshape(shape), held_v.clone().reshape(shape)), &keys, &values, start);
+        let (back_k, _) = refused.expect_err("rooms another tensor holds are not written in place");
+        assert_eq!(bits(back_k), bits(held_k.reshape(shape)), "{case}: a refused room is unchanged");
+    }
+}

@@ -11,6 +11,8 @@
 //!   the grouped-query heads' mask read in place instead of repeated.
 //! - [`decode_attention()`]: a decoding step's attention, over one cache part or a shared
 //!   prompt and each row's own, as one kernel instead of three (or fourteen over two parts).
+//! - [`cache_write()`]: a step's keys and values written into a reserved cache's room as one
+//!   kernel, in place, where burn's slice writes are one a tensor.
 //! - [`rms_norm_rope()`]: Qwen3's per-head norm of the queries and keys and their rotation as
 //!   one kernel, where the two above are two launches.
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
@@ -54,6 +56,7 @@ use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 mod attention;
+mod cache_write;
 mod decode_attention;
 mod linear;
 mod lora;
@@ -67,6 +70,7 @@ mod token_logprob;
 
 pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked, masked_softmax, softmax_grad};
+pub use cache_write::cache_write;
 pub use decode_attention::decode_attention;
 pub use linear::{frozen_linear, frozen_linear_backward, frozen_linear_rounded, rounding};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
