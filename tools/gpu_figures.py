@@ -317,6 +317,10 @@ def main():
                    help="after each --preset's iterations, the same run with each reply's row holding its own copy "
                         "of its group's prompt in the rollout's cache and the update (runtime.prompt_cache=copied), "
                         "to compare seconds and memory with the default (held once per group on a GPU)")
+    p.add_argument("--f32-kv-cache", action="store_true",
+                   help="after each --preset's iterations, the same run with the rollout's KV cache held in f32 "
+                        "(runtime.kv_cache=f32), to compare seconds and memory with the default (the base's "
+                        "bf16 or f16 on a GPU)")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -411,6 +415,13 @@ def main():
                 iteration["troupe_copied_prompts"] = copied
                 iteration["troupe_copied_prompts_s_over_troupe_s_per_iteration"] = [
                     copied["s_per_iteration"] / ours["s_per_iteration"] for ours in iteration["troupe"]]
+                write(args.out, result)
+            if args.f32_kv_cache:
+                # The same run with the rollout's keys and values held in f32.
+                wide = troupe_iteration(args, model_dir, work, f"{preset}-f32-cache", {"runtime.kv_cache": "f32"})
+                iteration["troupe_f32_kv_cache"] = wide
+                iteration["troupe_f32_kv_cache_s_over_troupe_s_per_iteration"] = [
+                    wide["s_per_iteration"] / ours["s_per_iteration"] for ours in iteration["troupe"]]
                 write(args.out, result)
             if args.troupe_autotune:
                 # The same run on the build with burn's autotune (`--features autotune`): its first

@@ -165,6 +165,13 @@ def test_gpu_figures_copied_prompts_rerun_the_iteration_with_the_rows_own_copies
     assert got["troupe_copied_prompts_s_over_troupe_s_per_iteration"] == [1.5]
 
 
+def test_gpu_figures_f32_kv_cache_reruns_the_iteration_with_the_cache_in_f32(monkeypatch, tmp_path):
+    runs, got = run_figures_iterations(monkeypatch, tmp_path, ["--f32-kv-cache"],
+                                       lambda extra, env: 2.5 if extra else 2.0)
+    assert [extra for extra, _ in runs] == [None, {"runtime.kv_cache": "f32"}]
+    assert got["troupe_f32_kv_cache_s_over_troupe_s_per_iteration"] == [1.25]
+
+
 def test_gpu_figures_refuses_width_steps_that_are_not_positive_counts(tmp_path):
     got = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_figures.py"), "--device", "cpu",
                           "--width-steps", "8,x", "--out", str(tmp_path / "f.json")],

@@ -307,7 +307,7 @@ pub fn generate_rows(
     // `KV_ROOM_STEP` slots so that every decoding step of this call, and of calls with prompts of
     // nearby lengths, has one shape.
     let room = decode_room(padded[0].len(), options.max_new_tokens);
-    let mut cache = KvCache::with_capacity(lm.config.num_hidden_layers, room);
+    let mut cache = KvCache::with_capacity(lm.config.num_hidden_layers, room).holding(lm.cache_dtype());
     let mut layout = SequenceLayout::new(batch);
     // Full token history (kept only for the uncached path) and the step's new slots.
     let (mut history, mut history_valid) =
@@ -344,6 +344,7 @@ pub fn generate_rows(
                         Some(decode_room(0, options.max_new_tokens)),
                         &device,
                     )?
+                    .holding(lm.cache_dtype())
                 } else {
                     prompts.select_rows(&share.row_index(&device));
                     prompts

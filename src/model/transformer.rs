@@ -12,6 +12,7 @@ use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 use super::attention_kernel::AttentionKernel;
 use super::config::{ModelConfig, ModelType};
 use super::fused::{add_rms_norm_rounded, attention_rounded, swiglu_stacked_rounded, HostMask};
+use super::kv_cache_dtype::KvCacheDtype;
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
 use super::prompt_cache::{self, GroupLayout, PromptCache, SharedPrompt};
 use super::quant::{self, BaseFormat, QuantizedWeight, TokenEmbedding};
@@ -133,12 +134,32 @@ pub struct KvCache {
     capacity: Option<usize>,
     /// The prompts the rows share, before every row's own slots.
     prompt: Option<SharedPrompt>,
+    /// The element type a reserved room (and a shared prompt) is held in, when not its keys'
+    /// ([`KvCache::holding`]).
+    dtype: Option<DType>,
 }
 
 impl KvCache {
     /// An empty cache for a model with `num_layers` layers.
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers], filled: vec![0; num_layers], capacity: None, prompt: None }
+        Self { layers: vec![None; num_layers], filled: vec![0; num_layers], capacity: None, prompt: None, dtype: None }
+    }
+
+    /// The cache with its reserved room and shared prompt (if any) held in `dtype`, when given
+    /// (a GPU's half-precision cache, [`CausalLm::cache_dtype`]): each step's keys and values
+    /// are cast to it as they are written and widened back to f32 as attention reads them. A
+    /// cache that appends ([`KvCache::new`]) keeps its keys' type.
+    pub fn holding(mut self, dtype: Option<DType>) -> Self {
+        if let (Some(dtype), Some(prompt)) = (dtype, self.prompt.as_mut()) {
+            for (keys, values) in &mut prompt.layers {
+                if keys.dtype() != dtype {
+                    *keys = keys.clone().cast(dtype);
+                    *values = values.clone().cast(dtype);
+                }
+            }
+        }
+        self.dtype = dtype;
+        self
     }
 
     /// An empty cache that reserves `capacity` slots per row and writes in place; it grows
@@ -249,14 +270,15 @@ impl KvCache {
                 let [batch, heads, seq, dim] = keys.dims();
                 let (start, room) = (self.filled[layer], self.slots_after(layer, seq));
                 let device = keys.device();
+                let dtype = self.dtype.unwrap_or(keys.dtype());
                 let reserve = |past: Option<Tensor<4>>| -> Tensor<4> {
                     match past {
                         Some(past) if past.dims()[2] == room => past,
                         Some(past) => {
-                            let fresh = Tensor::zeros([batch, heads, room - start, dim], &device);
+                            let fresh = Tensor::zeros([batch, heads, room - start, dim], (&device, dtype));
                             Tensor::cat(vec![past.narrow(2, 0, start), fresh], 2)
                         }
-                        None => Tensor::zeros([batch, heads, room, dim], &device),
+                        None => Tensor::zeros([batch, heads, room, dim], (&device, dtype)),
                     }
                 };
                 let (past_k, past_v) = self.layers[layer].take().unzip();
@@ -273,7 +295,8 @@ impl KvCache {
                     Err(rooms) => rooms,
                 };
                 let at = [0..batch, 0..heads, start..start + seq, 0..dim];
-                (rooms.0.slice_assign(at.clone(), keys), rooms.1.slice_assign(at, values))
+                let held = |t: Tensor<4>| if t.dtype() == dtype { t } else { t.cast(dtype) };
+                (rooms.0.slice_assign(at.clone(), held(keys)), rooms.1.slice_assign(at, held(values)))
             }
         };
         self.filled[layer] += keys_len;
@@ -344,6 +367,8 @@ pub struct CausalLm {
     width_step: usize,
     /// How a generation's cache holds a prompt several rows share (`runtime.prompt_cache`).
     prompt_cache: PromptCache,
+    /// What a generation's reserved cache holds its keys and values in (`runtime.kv_cache`).
+    kv_cache: KvCacheDtype,
 }
 
 /// On a GPU the widths of a batch's rows (prompts, prefixes, replies, packed decisions) are
@@ -827,6 +852,7 @@ impl CausalLm {
             source_fingerprint,
             width_step,
             prompt_cache: PromptCache::Auto,
+            kv_cache: KvCacheDtype::Auto,
         })
     }
 
@@ -860,6 +886,23 @@ impl CausalLm {
     /// Sets [`CausalLm::prompt_cache`].
     pub fn set_prompt_cache(&mut self, choice: PromptCache) {
         self.prompt_cache = choice;
+    }
+
+    /// What a generation's reserved cache holds its keys and values in (`runtime.kv_cache`;
+    /// `auto` at load).
+    pub fn kv_cache(&self) -> KvCacheDtype {
+        self.kv_cache
+    }
+
+    /// Sets [`CausalLm::kv_cache`].
+    pub fn set_kv_cache(&mut self, choice: KvCacheDtype) {
+        self.kv_cache = choice;
+    }
+
+    /// The element type a generation's reserved cache holds, when not f32
+    /// ([`KvCache::holding`]): [`CausalLm::kv_cache`] for this base on this model's device.
+    pub fn cache_dtype(&self) -> Option<DType> {
+        self.kv_cache.held(self.dtype(), &self.device)
     }
 
     /// Whether a generation holds a prompt its rows share once per group

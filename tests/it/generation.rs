@@ -206,3 +206,53 @@ fn filling_a_cache_writes_what_a_forward_writes() {
     let layout = SequenceLayout::new(1).step(&valid, &device);
     assert!(model.lm.fill_cache(tokens(), ForwardArgs { layout: &layout, cache: None, delta: None }).is_err());
 }
+
+/// A reserved cache held in the base's half precision (`runtime.kv_cache: auto` on a GPU: bf16
+/// under CUDA, f16 on wgpu, whose shaders have no bf16) against one held in f32, the base the
+/// same: the same greedy tokens and log-probs within the half precision's rounding, over rows
+/// with their own prompts (the cache copied to each row's room) and over rows sharing one (the
+/// prompt held once, then each row's own room). On the CPU `auto` holds f32.
+#[test]
+fn a_cache_held_in_half_precision_generates_what_an_f32_cache_generates() {
+    use burn::tensor::{DType, Device};
+    use troupe::model::{KvCacheDtype, LoadOptions, Precision};
+
+    let device = common::test_device();
+    let low = if troupe::device::is_cuda(&device) { Precision::Bf16 } else { Precision::F16 };
+    let mut model = Model::load(&LoadOptions::builtin(Preset::Tiny, 5).dtype(low), &device).unwrap();
+    if device == Device::flex() {
+        assert_eq!(model.lm.cache_dtype(), None, "the CPU holds f32");
+        return;
+    }
+    let half = model.lm.dtype();
+    assert!(matches!(half, DType::BF16 | DType::F16));
+    assert_eq!(model.lm.cache_dtype(), Some(half), "auto holds the base's precision on a GPU");
+    let mut rows = prompts(&model);
+    let shared = rows[1].clone();
+    rows.extend([shared.clone(), shared]);
+    let options = GenerateOptions {
+        max_new_tokens: 10,
+        sampling: SamplingConfig::greedy(),
+        seed: 0,
+        stop_at_eos: false,
+        use_cache: true,
+    };
+    // bf16 keeps 8 bits of mantissa, f16 11.
+    let bound = if half == DType::BF16 { 2e-2 } else { 2e-3 };
+    let mut largest = 0.0f32;
+    for batch in [&rows[..3], &rows[1..]] {
+        let held = generate(&model.lm, &[], batch, &options, None).unwrap();
+        model.lm.set_kv_cache(KvCacheDtype::F32);
+        assert_eq!(model.lm.cache_dtype(), None);
+        let f32s = generate(&model.lm, &[], batch, &options, None).unwrap();
+        model.lm.set_kv_cache(KvCacheDtype::Auto);
+        for (row, (a, b)) in held.iter().zip(&f32s).enumerate() {
+            assert_eq!(a.output_ids, b.output_ids, "row {row}: the same greedy tokens");
+            let worst = a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(worst < bound, "row {row}: log-probs {worst} apart (allowed {bound})");
+            largest = largest.max(worst);
+        }
+    }
+    println!("half-precision cache against f32: log-probs at most {largest} apart");
+    assert!(largest > 0.0, "the cache was held in half precision: its rounding shows");
+}

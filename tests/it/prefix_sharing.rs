@@ -280,6 +280,24 @@ fn a_decoding_steps_attention_over_a_shared_prompt_matches_f64_on_the_test_devic
             .0;
             let kernel = kernel.into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
             assert_eq!(kernel, got, "attend runs the decoding kernel");
+            // A cache held in half precision (`runtime.kv_cache: auto` on a GPU): each key and
+            // value widened as it is read, what the kernel gives over the rounded values in f32,
+            // and what `attend` gives over the half-precision parts.
+            use burn::tensor::DType;
+            let half = if troupe::device::is_cuda(&device) { DType::BF16 } else { DType::F16 };
+            let (hpk, hpv, hok, hov) =
+                (pkt.clone().cast(half), pvt.clone().cast(half), okt.clone().cast(half), ovt.clone().cast(half));
+            let wide = |t: &Tensor<4>| t.clone().cast(DType::F32);
+            let flat = |t: Tensor<4>| t.into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
+            let decode = |pk: &Tensor<4>, pv: &Tensor<4>, ok: &Tensor<4>, ov: &Tensor<4>| {
+                troupe::model::fused::gpu::decode_attention(&qt, Some((pk, pv, &of_row)), (ok, ov), &mask, None)
+                    .expect("the decoding kernel reads a half-precision cache")
+                    .0
+            };
+            let from_half = flat(decode(&hpk, &hpv, &hok, &hov));
+            assert_eq!(from_half, flat(decode(&wide(&hpk), &wide(&hpv), &wide(&hok), &wide(&hov))), "widened as read");
+            let attended = attend(qt.clone(), (hpk, hpv), &layout, (hok, hov), &mask);
+            assert_eq!(flat(attended), from_half, "attend over a half-precision cache runs the kernel");
         }
         let scale = 1.0 / (dim as f64).sqrt();
         let group = heads / kv_heads;

@@ -516,7 +516,18 @@ pub fn attention_rounded(
     if let Some(both) = decoding_step(&q, &k, &v, mask, kernel, round) {
         return both;
     }
+    // A cache held in half precision ([`crate::model::KvCache::holding`]) is read in f32.
+    let (k, v) = (widened(k, q.dtype()), widened(v, q.dtype()));
     (attention_without_rounding(q, k, v, mask, host_mask, kernel), None)
+}
+
+/// `t` in `dtype` (a cast where it is held in another).
+pub(crate) fn widened(t: Tensor<4>, dtype: DType) -> Tensor<4> {
+    if t.dtype() == dtype {
+        t
+    } else {
+        t.cast(dtype)
+    }
 }
 
 /// A decoding step's one kernel on a GPU (`super::gpu::decode_attention`), unless `kernel` runs

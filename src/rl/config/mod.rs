@@ -378,6 +378,22 @@ mod tests {
     }
 
     #[test]
+    fn runtime_kv_cache_reads_refuses_by_name_and_reaches_the_model() {
+        use crate::model::KvCacheDtype;
+        assert_eq!(parse("", &[]).unwrap().runtime.kv_cache, KvCacheDtype::Auto);
+        let set = parse("runtime: {kv_cache: auto}", &["runtime.kv_cache=f32"]).unwrap();
+        assert_eq!(set.runtime.kv_cache, KvCacheDtype::F32);
+        assert_eq!(
+            error("runtime: {kv_cache: bf8}", &[]),
+            "configs/test.yaml: runtime.kv_cache: unknown variant `bf8`, expected `auto` or `f32`"
+        );
+        let config = parse("runtime: {kv_cache: f32}", &[]).unwrap();
+        let model = crate::rl::run::load_model(&config, &burn::tensor::Device::flex()).unwrap();
+        assert_eq!(model.lm.kv_cache(), KvCacheDtype::F32);
+        assert_eq!(model.lm.cache_dtype(), None, "the CPU holds f32");
+    }
+
+    #[test]
     fn yaml_syntax_errors_name_the_file() {
         let err = error("training: {group_size: 4\n", &[]);
         assert!(err.starts_with("configs/test.yaml: ") && err.contains("line"), "{err}");

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::adapters::{AdamWConfig, AdapterMode};
-use crate::model::{AttentionKernel, PromptCache};
+use crate::model::{AttentionKernel, KvCacheDtype, PromptCache};
 use crate::rl::credit::advantage::{AdvantageBaseline, RewardScaling};
 use crate::rl::credit::batch::{AdvantageGrouping, AdvantageSettings};
 use crate::rl::objective::{KlPenalty, ObjectiveConfig};
@@ -154,5 +154,10 @@ config_section! {
         /// `shared` holds and reads far fewer keys and values when prompts are long beside the
         /// replies.
         pub prompt_cache: PromptCache = PromptCache::Auto,
+        /// What a rollout's KV cache holds its keys and values in: `auto` (the base's precision,
+        /// `model.dtype`, on a GPU when it is bf16 or f16: half the bytes of f32, each value
+        /// widened to f32 as attention reads it; f32 on the CPU) or `f32`. The update's scoring
+        /// computes its keys and values anew in f32 either way.
+        pub kv_cache: KvCacheDtype = KvCacheDtype::Auto,
     }
 }

@@ -85,7 +85,8 @@ pub struct PendingIteration {
 }
 
 /// The model a config names: a Hugging Face directory, or the built-in preset; its attention
-/// kernel `runtime.attention` and its rollouts' prompt cache `runtime.prompt_cache`.
+/// kernel `runtime.attention`, its rollouts' prompt cache `runtime.prompt_cache` and the cache's
+/// element type `runtime.kv_cache`.
 pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result<Model> {
     let mut model = Model::load(&config.model, device).map_err(|err| match err {
         TroupeError::BadValue { key: name, message, .. } if name == "model.preset" => {
@@ -95,6 +96,7 @@ pub fn load_model(config: &TrainConfig, device: &burn::tensor::Device) -> Result
     })?;
     model.lm.set_attention_kernel(config.runtime.attention);
     model.lm.set_prompt_cache(config.runtime.prompt_cache);
+    model.lm.set_kv_cache(config.runtime.kv_cache);
     Ok(model)
 }
 

@@ -44,11 +44,11 @@ mod kernel {
     /// The score of query `q[q_start..]` (`head_dim` values, step `q_step`) against the key at
     /// `keys[start..]` (step `step`), times `scale`.
     #[cube]
-    fn score(
+    fn score<K: Float>(
         q: &Tensor<f32>,
         q_start: usize,
         q_step: usize,
-        keys: &Tensor<f32>,
+        keys: &Tensor<K>,
         start: usize,
         step: usize,
         head_dim: usize,
@@ -57,7 +57,7 @@ mod kernel {
         let mut dot = 0.0f32;
         let mut i = 0usize;
         while i < head_dim {
-            dot += q[q_start + i * q_step] * keys[start + i * step];
+            dot += q[q_start + i * q_step] * f32::cast_from(keys[start + i * step]);
             i += 1;
         }
         dot * scale
@@ -72,17 +72,19 @@ mod kernel {
     /// head_dim]`, the group `group[r]`), then the row's own (`own_k`/`own_v`: `[rows, kv_heads,
     /// own, head_dim]`); without `two_parts` only its own (the prompt's tensors and `group` are
     /// not read). When `round`, `rounded` (contiguous, `out`'s shape) gets the output rounded to
-    /// `R` too. `units` is the cube's size, a power of two, at least `head_dim`.
+    /// `R` too. The keys and values are in `K` (f32, or the half precision a cache is held in),
+    /// each widened to f32 as it is read. `units` is the cube's size, a power of two, at least
+    /// `head_dim`.
     #[cube(launch)]
     // The mask is read only for a key of the row (nested ifs: a kernel's `&&` need not stop early).
     #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-    pub(super) fn decode_attention_kernel<M: Numeric, G: Numeric, R: Float>(
+    pub(super) fn decode_attention_kernel<M: Numeric, G: Numeric, R: Float, K: Float>(
         q: &Tensor<f32>,
-        prompt_k: &Tensor<f32>,
-        prompt_v: &Tensor<f32>,
+        prompt_k: &Tensor<K>,
+        prompt_v: &Tensor<K>,
         group: &Tensor<G>,
-        own_k: &Tensor<f32>,
-        own_v: &Tensor<f32>,
+        own_k: &Tensor<K>,
+        own_v: &Tensor<K>,
         mask: &Tensor<M>,
         out: &mut Tensor<f32>,
         rounded: &mut Tensor<R>,
@@ -94,6 +96,7 @@ mod kernel {
         #[define(M)] _mask_type: ElemType,
         #[define(G)] _group_type: ElemType,
         #[define(R)] _rounded_type: ElemType,
+        #[define(K)] _cache_type: ElemType,
     ) {
         let query = cube_row();
         let unit = UNIT_POS_X as usize;
@@ -138,11 +141,11 @@ mod kernel {
                         visible = true;
                         if key < prompt_len {
                             let start = g * prompt_k.stride(0) + h * prompt_k.stride(1) + key * prompt_k.stride(2);
-                            s = score(q, q_start, q_step, prompt_k, start, prompt_k.stride(3), head_dim, scale);
+                            s = score::<K>(q, q_start, q_step, prompt_k, start, prompt_k.stride(3), head_dim, scale);
                         } else {
                             let own = key - prompt_len;
                             let start = r * own_k.stride(0) + h * own_k.stride(1) + own * own_k.stride(2);
-                            s = score(q, q_start, q_step, own_k, start, own_k.stride(3), head_dim, scale);
+                            s = score::<K>(q, q_start, q_step, own_k, start, own_k.stride(3), head_dim, scale);
                         }
                     }
                 }
@@ -163,14 +166,14 @@ mod kernel {
                     let prompt_end = min(end, prompt_len);
                     while key < prompt_end {
                         let at = g * prompt_v.stride(0) + h * prompt_v.stride(1) + key * prompt_v.stride(2);
-                        acc += weights[key - tile] * prompt_v[at + unit * prompt_v.stride(3)];
+                        acc += weights[key - tile] * f32::cast_from(prompt_v[at + unit * prompt_v.stride(3)]);
                         key += 1;
                     }
                     key = max(tile, prompt_len);
                     while key < end {
                         let own = key - prompt_len;
                         let at = r * own_v.stride(0) + h * own_v.stride(1) + own * own_v.stride(2);
-                        acc += weights[key - tile] * own_v[at + unit * own_v.stride(3)];
+                        acc += weights[key - tile] * f32::cast_from(own_v[at + unit * own_v.stride(3)]);
                         key += 1;
                     }
                     column = acc;
@@ -190,18 +193,21 @@ mod kernel {
     }
 }
 
-/// Whether [`decode_attention`] runs for these tensors: plain f32 queries, keys and values on a
-/// cubecl device ([`super::takes`]), at most [`MAX_QUERIES`] query positions a row, heads of at
+/// Whether [`decode_attention`] runs for these tensors: plain f32 queries on a cubecl device
+/// ([`super::takes`]), plain keys and values of one float type on the same device (f32, or a
+/// cache's half precision), at most [`MAX_QUERIES`] query positions a row, heads of at
 /// most 256 columns, and a mask stored as integers.
 ///
 /// # Shapes
 /// `q`: `[rows, heads, seq, head_dim]`, `mask`: `[rows, 1, seq, keys]`
 pub fn applies(q: &Tensor<4>, keys: &[&Tensor<4>], mask: &Tensor<4, Bool>) -> bool {
     let [_, _, seq, head_dim] = q.dims();
+    let dtype = keys.first().map_or(DType::F32, |t| t.dtype());
     seq <= MAX_QUERIES
         && head_dim <= MAX_HEAD_DIM
         && super::takes(q)
-        && keys.iter().all(|t| super::takes(*t))
+        && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        && keys.iter().all(|t| t.dtype() == dtype && !t.is_autodiff() && t.device() == q.device())
         && super::attention::integer_mask(mask)
 }
 
@@ -250,6 +256,7 @@ pub fn decode_attention(
         None => (own_k.clone(), own_v.clone(), mp.clone(), false),
     };
     let group_type = dtype_to_storage_type(group.dtype);
+    let cache_type = dtype_to_storage_type(own_k.dtype);
     let out = empty_of(&qp, Shape::new([rows, kv_heads, folded, head_dim]));
     let (rounded, rounded_type, writes) = rounded_output(&qp, out.meta.shape().clone(), round);
     let query_rows = rows * kv_heads * folded;
@@ -277,6 +284,7 @@ pub fn decode_attention(
             mask_type,
             group_type,
             rounded_type,
+            cache_type,
         );
     }
     let shaped = |t: Primitive| Tensor::<4>::from_primitive::<Cube>(t).reshape([rows, heads, seq, head_dim]);
