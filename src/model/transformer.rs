@@ -11,6 +11,7 @@ use burn::tensor::{Bool, DType, Device, FloatDType, Int, Tensor, TensorData};
 
 use super::attention_kernel::AttentionKernel;
 use super::config::{ModelConfig, ModelType};
+use super::fused::attention::in_dtype;
 use super::fused::{add_rms_norm_rounded, attention_rounded, swiglu_stacked_rounded, HostMask};
 use super::kv_cache_dtype::KvCacheDtype;
 use super::layers::{FrozenLinear, LinearWeight, Projection, ProjectionDelta, RmsNorm, RotaryEmbedding, WeightLoader};
@@ -282,27 +283,37 @@ impl KvCache {
                     }
                 };
                 let (past_k, past_v) = self.layers[layer].take().unzip();
-                let rooms = (reserve(past_k), reserve(past_v));
-                // The past buffers are held only here, so the writes happen in place: one kernel
-                // for both on a GPU, a slice write each elsewhere.
-                #[cfg(any(feature = "cuda", feature = "wgpu"))]
-                let rooms = match super::fused::gpu::cache_write(rooms, &keys, &values, start) {
-                    Ok(written) => {
-                        self.filled[layer] += keys_len;
-                        self.layers[layer] = Some(written.clone());
-                        return written;
-                    }
-                    Err(rooms) => rooms,
-                };
-                let at = [0..batch, 0..heads, start..start + seq, 0..dim];
-                let held = |t: Tensor<4>| if t.dtype() == dtype { t } else { t.cast(dtype) };
-                (rooms.0.slice_assign(at.clone(), held(keys)), rooms.1.slice_assign(at, held(values)))
+                // The past buffers are held only here, so the writes happen in place.
+                write_room((reserve(past_k), reserve(past_v)), keys, values, start)
             }
         };
         self.filled[layer] += keys_len;
         self.layers[layer] = Some(merged.clone());
         merged
     }
+}
+
+/// `keys` and `values` written into slots `start..` of a reserved cache's rooms (keys', values'),
+/// cast to the rooms' element type: one kernel for both on a GPU, a slice write each elsewhere.
+///
+/// # Shapes
+/// `rooms`: `[batch, heads, room, head_dim]` each; `keys`, `values`: `[batch, heads, seq,
+/// head_dim]` -> `rooms`
+fn write_room(
+    rooms: (Tensor<4>, Tensor<4>),
+    keys: Tensor<4>,
+    values: Tensor<4>,
+    start: usize,
+) -> (Tensor<4>, Tensor<4>) {
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    let rooms = match super::fused::gpu::cache_write(rooms, &keys, &values, start) {
+        Ok(written) => return written,
+        Err(rooms) => rooms,
+    };
+    let [batch, heads, seq, dim] = keys.dims();
+    let dtype = rooms.0.dtype();
+    let at = [0..batch, 0..heads, start..start + seq, 0..dim];
+    (rooms.0.slice_assign(at.clone(), in_dtype(keys, dtype)), rooms.1.slice_assign(at, in_dtype(values, dtype)))
 }
 
 /// Grouped-query self-attention with rotary embeddings (and Qwen3's per-head q/k norms).

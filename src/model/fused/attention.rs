@@ -517,12 +517,12 @@ pub fn attention_rounded(
         return both;
     }
     // A cache held in half precision ([`crate::model::KvCache::holding`]) is read in f32.
-    let (k, v) = (widened(k, q.dtype()), widened(v, q.dtype()));
+    let (k, v) = (in_dtype(k, q.dtype()), in_dtype(v, q.dtype()));
     (attention_without_rounding(q, k, v, mask, host_mask, kernel), None)
 }
 
 /// `t` in `dtype` (a cast where it is held in another).
-pub(crate) fn widened(t: Tensor<4>, dtype: DType) -> Tensor<4> {
+pub(crate) fn in_dtype(t: Tensor<4>, dtype: DType) -> Tensor<4> {
     if t.dtype() == dtype {
         t
     } else {

@@ -275,7 +275,7 @@ pub fn attend_rounded(
         return out;
     }
     // A cache held in half precision ([`crate::model::KvCache::holding`]) is read in f32.
-    let widened = |t: Tensor<4>| crate::model::fused::attention::widened(t, q.dtype());
+    let widened = |t: Tensor<4>| crate::model::fused::attention::in_dtype(t, q.dtype());
     let (prompt, own) = ((widened(prompt.0), widened(prompt.1)), (widened(own.0), widened(own.1)));
     let parts = TwoParts { groups, mask, scale: (1.0 / (head_dim as f64).sqrt()) as f32 };
     // Query head `h` reads key/value head `h / (heads / kv_heads)`: `[rows, kv_heads, folded, d]`.

@@ -8,7 +8,7 @@
 //! are).
 
 use burn::backend::cubecl::dtype_to_storage_type;
-use burn::backend::{Cube, DispatchDevice};
+use burn::backend::Cube;
 use burn::tensor::Tensor;
 use burn_cubecl::kernel::untile;
 
@@ -79,15 +79,10 @@ pub fn cache_write(
         && [room_batch, room_heads, room_dim] == [batch, heads, dim]
         && start + seq <= room
         && rooms.0.dtype() == rooms.1.dtype()
-        && rooms.0.dtype().is_float()
-        && !rooms.0.is_autodiff()
-        && !rooms.1.is_autodiff();
-    if !(fits && super::takes(keys) && super::takes(values)) {
-        return Err(rooms);
-    }
-    // `takes` found the keys on a cubecl device, the rooms' (an attention reads both there).
-    let on_cube = |t: &Tensor<4>| matches!(t.device().as_dispatch(), DispatchDevice::Cube(_));
-    if !(on_cube(&rooms.0) && on_cube(&rooms.1)) {
+        && rooms.0.dtype().is_float();
+    // Plain rooms on the keys' device, which `takes` finds a cubecl device.
+    let beside = |t: &Tensor<4>| !t.is_autodiff() && t.device() == keys.device();
+    if !(fits && super::takes(keys) && super::takes(values) && beside(&rooms.0) && beside(&rooms.1)) {
         return Err(rooms);
     }
     let primitive = |t: Tensor<4>| t.try_into_primitive::<Cube>().expect("a plain tensor on a cubecl device");
