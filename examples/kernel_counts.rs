@@ -3,6 +3,7 @@
 //! q,k,v,o, as a rollout decodes), a 1 x 128 prefill, a LoRA training step's forward,
 //! backward and AdamW (r8 on q,k,v,o, 8 x 128 tokens, as `benches/adapters.rs` times it), an
 //! iteration's update of 16 rows over two agents' adapters (`Scorer::gradients`; with
+//! `update-iteration`, 32 such rows in two micro-batches, counted per micro-batch; with
 //! `update-shapes`, eight such micro-batches of random lengths, with the kernels each compiles when
 //! `CUBECL_DEBUG_LOG` names a file), and a mixed-adapter forward of 32 x 64 rows over 1 and 8 adapters. Each workload runs once to
 //! compile its kernels, then once counted. Counts, not times: they are the same on any cubecl
@@ -10,7 +11,7 @@
 //!
 //! ```bash
 //! apt-get install mesa-vulkan-drivers   # lavapipe, a Vulkan device on the CPU
-//! TROUPE_DEVICE=wgpu TROUPE_DTYPE=f32 cargo run --release --features wgpu --example kernel_counts [decode prefill train update update-shapes mixed]
+//! TROUPE_DEVICE=wgpu TROUPE_DTYPE=f32 cargo run --release --features wgpu --example kernel_counts [decode prefill train update update-iteration update-shapes mixed]
 //! ```
 //!
 //! (`TROUPE_DEVICE=cuda` and `--features cuda` on an NVIDIA GPU; `TROUPE_DTYPE` as for the
@@ -128,7 +129,7 @@ mod counts {
         let what: Vec<String> = std::env::args().skip(1).collect();
         let named = |w: &str| what.iter().any(|x| x == w);
         // Every workload but `update-shapes` when none is named.
-        let want = |w: &str| named(w) || (what.is_empty() && w != "update-shapes");
+        let want = |w: &str| named(w) || (what.is_empty() && w != "update-shapes" && w != "update-iteration");
         let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
         let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
@@ -214,16 +215,16 @@ mod counts {
             step(false);
             step(true);
         }
-        if want("update") || want("update-shapes") {
+        if want("update") || want("update-iteration") || want("update-shapes") {
             // An iteration's update as the trainer runs it (`Scorer::gradients`): 16 reply rows in
             // one micro-batch (`runtime.micro_batch_rows`' default), two agents' adapters (r8 on
             // q,k,v,o), 2 groups x 2 agents x 4 replies after prompts that each group's replies
             // of one agent share (each distinct prompt runs once).
             let mut manager = MultiAdapterManager::new(&model.lm.config, &device);
             manager.create_adapters(2, &AdapterConfig::default()).unwrap();
-            let batch = |rng: &mut ChaCha8Rng, prompt_len: usize, reply: usize| {
+            let batch = |rng: &mut ChaCha8Rng, groups: usize, prompt_len: usize, reply: usize| {
                 let mut train_rows = Vec::new();
-                for _group in 0..2 {
+                for _group in 0..groups {
                     for agent in 0..2 {
                         let prompt = rows(rng, 1, prompt_len).remove(0);
                         for k in 0..4 {
@@ -266,9 +267,20 @@ mod counts {
                 .1
             };
             if want("update") {
-                let batch = batch(&mut rng, 96, 32);
+                let batch = batch(&mut rng, 2, 96, 32);
                 pass(&batch);
                 report("update: one micro-batch of 16 rows, forward and backward", &pass(&batch), 1.0);
+            }
+            if want("update-iteration") {
+                // Twice the rows, as an iteration's update runs them: the trainer's batch order
+                // (group by group, each agent's replies together) cut into two micro-batches.
+                let batch = batch(&mut rng, 4, 96, 32);
+                pass(&batch);
+                report(
+                    "update: 32 rows of two agents, per micro-batch of 16, forward and backward",
+                    &pass(&batch),
+                    2.0,
+                );
             }
             if want("update-shapes") {
                 // Eight micro-batches of random lengths, as an iteration's differ: the kernels each
@@ -282,7 +294,7 @@ mod counts {
                 let mut shapes = ChaCha8Rng::seed_from_u64(1);
                 for _ in 0..8 {
                     let (prompt, reply) = (shapes.random_range(60..160usize), shapes.random_range(12..48usize));
-                    let batch = batch(&mut rng, prompt, reply);
+                    let batch = batch(&mut rng, 2, prompt, reply);
                     let before = compiled();
                     let launches = pass(&batch);
                     let fresh = compiled().zip(before).map_or("?".to_string(), |(a, b)| (a - b).to_string());

@@ -67,10 +67,23 @@ pub struct GradientPass {
 }
 
 impl Scorer<'_> {
-    /// The row order of a pass: replies first, then `choice` decisions, each in batch order,
-    /// chunked by `micro_batch_rows`.
-    fn chunks<'b>(&self, batch: &'b TrainBatch) -> (Vec<Vec<&'b TrainRow>>, Vec<Vec<&'b TrainRow>>) {
-        let (choices, replies): (Vec<&TrainRow>, Vec<&TrainRow>) = batch.rows.iter().partition(|r| r.choice.is_some());
+    /// The row order of a pass, cut into micro-batches ([`Scorer::split`]): replies first, then
+    /// `choice` decisions, each in batch order; on the agents' adapters (`by_adapter`, with an
+    /// adapter per agent) each agent's rows together, agents ascending, batch order within each.
+    /// A micro-batch then holds one adapter's rows wherever an agent's rows fill it, and runs
+    /// that adapter's factors as they are, where rows of several adapters would stack their
+    /// factors and mask each row's rank columns ([`crate::adapters::MixedLora`]): fewer kernels
+    /// and half the rank's products per site for two agents. The sum of the micro-batches'
+    /// gradients is the same either way, up to the order of its float additions. A group's
+    /// replies on one agent stay together, so their shared prompt is still computed once.
+    fn chunks<'b>(&self, batch: &'b TrainBatch, by_adapter: bool) -> (Vec<Vec<&'b TrainRow>>, Vec<Vec<&'b TrainRow>>) {
+        let (mut choices, mut replies): (Vec<&TrainRow>, Vec<&TrainRow>) =
+            batch.rows.iter().partition(|r| r.choice.is_some());
+        if by_adapter && self.manager.mode() == AdapterMode::PerAgent {
+            // Stable: batch order within each agent.
+            replies.sort_by_key(|r| r.agent);
+            choices.sort_by_key(|r| r.agent);
+        }
         (self.split(&replies), self.split(&choices))
     }
 
@@ -102,7 +115,9 @@ impl Scorer<'_> {
     /// Fills every row's [`TrainRow::reference_logprobs`] with the base model's (adapters off):
     /// per completion token, or the log-policy over a decision's candidates.
     pub fn attach_reference(&self, batch: &mut TrainBatch) -> Result<()> {
-        let (replies, choices) = self.chunks(batch);
+        // The base alone scores every row: batch order, so rows of several agents after one
+        // prompt share it.
+        let (replies, choices) = self.chunks(batch, false);
         let mut values: Vec<Vec<f32>> = Vec::new();
         for chunk in replies {
             let tokens: Vec<Vec<u32>> = chunk.iter().map(|r| r.tokens.clone()).collect();
@@ -146,7 +161,7 @@ impl Scorer<'_> {
         batch: &'b TrainBatch,
         skip: bool,
     ) -> (Vec<(usize, Vec<&'b TrainRow>)>, Vec<(usize, Vec<&'b TrainRow>)>) {
-        let (replies, choices) = self.chunks(batch);
+        let (replies, choices) = self.chunks(batch, true);
         let dropout = self.has_dropout(batch.rows.iter());
         let plan = |chunks: Vec<Vec<&'b TrainRow>>| -> Vec<(usize, Vec<&'b TrainRow>)> {
             if !skip {
@@ -347,7 +362,7 @@ impl Scorer<'_> {
     /// Forward FLOPs of scoring every row of `batch` once with the base alone (what
     /// [`Scorer::attach_reference`] costs).
     pub fn forward_flops(&self, batch: &TrainBatch) -> f64 {
-        let (replies, choices) = self.chunks(batch);
+        let (replies, choices) = self.chunks(batch, false);
         let forward = self.flop_model();
         replies.iter().map(|c| self.replies_flops(c, false, &forward)).sum::<f64>()
             + choices.iter().flatten().map(|r| self.row_flops(r, &forward)).sum::<f64>()
@@ -622,6 +637,43 @@ mod tests {
         assert_eq!(cut[0].len(), 2, "the first two rows fit exactly");
         let alone = Scorer { micro_batch_tokens: Some(1), ..scorer(&model, &manager, false) };
         assert!(alone.split(&batch.rows.iter().collect::<Vec<_>>()).iter().all(|c| c.len() == 1));
+    }
+
+    #[test]
+    fn on_per_agent_adapters_a_micro_batch_holds_one_agents_rows_with_the_gradients_of_one_mixed_pass() {
+        let (model, manager) = setup(0.0);
+        // Agents alternate, 0, 1, 0, 1, 0, 1; micro-batches of three rows.
+        let mut batch = batch(&model, [1.0, -0.5, 0.25, 2.0, -1.0, 0.5]);
+        on_policy(&model, &manager, &mut batch);
+        let scorer = scorer(&model, &manager, false);
+        let (replies, _) = scorer.planned(&batch, false);
+        let agents: Vec<Vec<usize>> = replies.iter().map(|(_, c)| c.iter().map(|r| r.agent).collect()).collect();
+        assert_eq!(agents, [vec![0, 0, 0], vec![1, 1, 1]], "each agent's rows together, agents ascending");
+        for (agent, (_, chunk)) in replies.iter().enumerate() {
+            let want: Vec<&TrainRow> = batch.rows.iter().filter(|r| r.agent == agent).collect();
+            assert!(chunk.iter().zip(&want).all(|(a, b)| std::ptr::eq(*a, *b)), "batch order within an agent");
+        }
+        // The base alone scores every row in batch order.
+        let (reference, _) = scorer.chunks(&batch, false);
+        assert_eq!(reference[0].iter().map(|r| r.agent).collect::<Vec<_>>(), [0, 1, 0]);
+        // Against one micro-batch of all six rows, the two adapters' factors stacked and masked.
+        for kind in [ObjectiveKind::Magrpo, ObjectiveKind::Clipped] {
+            let objective = objective(kind, 0.0);
+            let split = scorer.gradients(&batch, &objective, 7).unwrap();
+            let whole = Scorer { micro_batch_rows: 6, ..self::scorer(&model, &manager, false) }
+                .gradients(&batch, &objective, 7)
+                .unwrap();
+            assert!((whole.loss - split.loss).abs() <= 1e-6 * whole.loss.abs().max(1.0), "{kind:?}: loss");
+            assert!(whole.grads.values().all(|g| flat(g).iter().any(|v| *v != 0.0)), "gradients to compare");
+            same_gradients(&whole, &split, 1e-5);
+            assert_eq!(whole.stats.ratio_units, split.stats.ratio_units);
+        }
+        // One adapter for every agent: nothing to group, batch order.
+        let mut shared = MultiAdapterManager::new(&model.lm.config, model.lm.device());
+        shared.create_shared_adapter(2, &AdapterConfig::default(), 0).unwrap();
+        let on_shared = Scorer { manager: &shared, ..self::scorer(&model, &manager, false) };
+        let (replies, _) = on_shared.planned(&batch, false);
+        assert_eq!(replies[0].1.iter().map(|r| r.agent).collect::<Vec<_>>(), [0, 1, 0]);
     }
 
     /// Replies where rows 0-1 and 2-3 answer one prompt each on one agent (so the prompt is
