@@ -128,7 +128,7 @@ mod counts {
         let preset = troupe::device::bench_presets(&[Preset::Small]).unwrap()[0];
         let what: Vec<String> = std::env::args().skip(1).collect();
         let named = |w: &str| what.iter().any(|x| x == w);
-        // Every workload but `update-shapes` when none is named.
+        // Every workload but `update-iteration` and `update-shapes` when none is named.
         let want = |w: &str| named(w) || (what.is_empty() && w != "update-shapes" && w != "update-iteration");
         let model = Model::load(&LoadOptions::builtin(preset, 0).dtype(precision), &device).unwrap();
         let vocab = model.tokenizer.vocab_size().min(model.lm.config.vocab_size);
@@ -272,8 +272,8 @@ mod counts {
                 report("update: one micro-batch of 16 rows, forward and backward", &pass(&batch), 1.0);
             }
             if want("update-iteration") {
-                // Twice the rows, as an iteration's update runs them: the trainer's batch order
-                // (group by group, each agent's replies together) cut into two micro-batches.
+                // Twice the rows, in the trainer's batch order (group by group, each agent's
+                // replies together), which the update cuts into one micro-batch per agent.
                 let batch = batch(&mut rng, 4, 96, 32);
                 pass(&batch);
                 report(
