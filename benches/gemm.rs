@@ -9,7 +9,18 @@
 //! product, 16 per 8-lane multiply-add). The same products in PyTorch, same threads:
 //! `python tools/peer_bench.py --gemm` (`torch.nn.functional.linear`).
 //!
-//! `cargo bench --bench gemm` (`-- fma_peak`, `-- gemm_t128`, ...).
+//! On a GPU (`TROUPE_DEVICE=cuda`, a `--features cuda` build) the `frozen_<preset>_t<rows>`
+//! groups time instead the frozen products of each preset in `TROUPE_BENCH_PRESETS` (default
+//! `small`), in the base's dtype (`TROUPE_DTYPE`, default bf16 on CUDA), by every cubek routine
+//! `TROUPE_MATMUL` can name (`troupe::model::matmul_kernel`; `TROUPE_GEMM_KERNELS`, names
+//! separated by commas, takes fewer): `x W^T` (`fwd_`) at a decoding step's 64 rows and an
+//! update micro-batch's 2048 (16 replies of 128 tokens; `TROUPE_GEMM_ROWS` takes other counts),
+//! and the input's gradient `dy W` (`bwd_`) at the most rows when that is past 64. A routine that
+//! cannot launch a shape there is left out with a line on stderr saying why. The same products in PyTorch (cuBLAS) on the same GPU:
+//! `python tools/peer_bench.py MODEL_DIR --gemm --device cuda --dtype bf16`.
+//! `tools/gpu_figures.py --gemm` runs both and picks the fastest routine.
+//!
+//! `cargo bench --bench gemm` (`-- fma_peak`, `-- gemm_t128`, `-- 'frozen_small_t2048/fwd_qkv'`, ...).
 
 #![allow(missing_docs)] // criterion_main! generates an undocumented `main`
 
@@ -133,5 +144,88 @@ fn bench_fma_peak(c: &mut Criterion) {
     let _ = c;
 }
 
-criterion_group!(benches, bench_fma_peak, bench_gemm);
+/// The frozen products of each benchmarked preset's forward and backward on a GPU, by every
+/// routine (module header); nothing on the CPU, whose products are troupe's own GEMM calls.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+fn bench_frozen(c: &mut Criterion) {
+    use criterion::SamplingMode;
+    use troupe::model::fused::gpu::frozen_product_by;
+    use troupe::model::MatmulKernel;
+
+    let device = troupe::device::default_device().expect("TROUPE_DEVICE");
+    if device == burn::tensor::Device::flex() {
+        return;
+    }
+    let presets = troupe::device::bench_presets(&[Preset::Small]).expect("TROUPE_BENCH_PRESETS");
+    let precision = troupe::device::default_precision().expect("TROUPE_DTYPE");
+    let dtype = precision.resolve(&device, false).expect("TROUPE_DTYPE on this device");
+    // Only the routines and row counts asked for are tried at all: a routine's first product at
+    // a shape compiles its kernel, whether or not criterion's filter then times it.
+    let kernels: Vec<MatmulKernel> = match std::env::var("TROUPE_GEMM_KERNELS") {
+        Ok(names) if !names.trim().is_empty() => names
+            .split(',')
+            .map(|name| {
+                <MatmulKernel as clap::ValueEnum>::from_str(name.trim(), true)
+                    .unwrap_or_else(|_| panic!("TROUPE_GEMM_KERNELS: unknown matmul kernel {name:?}"))
+            })
+            .collect(),
+        _ => MatmulKernel::all().to_vec(),
+    };
+    let row_counts: Vec<usize> = match std::env::var("TROUPE_GEMM_ROWS") {
+        Ok(counts) if !counts.trim().is_empty() => counts
+            .split(',')
+            .map(|n| n.trim().parse().unwrap_or_else(|_| panic!("TROUPE_GEMM_ROWS: {n:?} is not a count of rows")))
+            .collect(),
+        _ => vec![64, 2048],
+    };
+    let most = row_counts.iter().copied().max().unwrap_or(0);
+    for preset in presets {
+        let name = troupe::device::preset_name(preset);
+        for &rows in &row_counts {
+            // The input's gradient at the most rows only: an update's, not a decoding step's.
+            let directions: &[bool] = if rows == most && rows > 64 { &[true, false] } else { &[true] };
+            let mut group = c.benchmark_group(format!("frozen_{name}_t{rows}"));
+            group.sample_size(10).sampling_mode(SamplingMode::Flat);
+            for (product, out, inner) in product_shapes(preset) {
+                let weight: Tensor<2> = Tensor::<2>::random([out, inner], Distribution::Default, &device).cast(dtype)
+                    / (inner as f64).sqrt();
+                for &transposed in directions {
+                    // `x W^T` takes `[rows, in]`; `dy W` takes `[rows, out]`. In the weight's
+                    // type, as the kernel before a product writes it rounded.
+                    let width = if transposed { inner } else { out };
+                    let x: Tensor<2> = Tensor::<2>::random([rows, width], Distribution::Default, &device).cast(dtype);
+                    let flop = (2 * rows * out * inner) as u64;
+                    let direction = if transposed { "fwd" } else { "bwd" };
+                    group.throughput(Throughput::Elements(flop));
+                    for &kernel in &kernels {
+                        let function = format!("{direction}_{product}_{out}x{inner}");
+                        if let Err(reason) = frozen_product_by(kernel, &x, &weight, transposed) {
+                            let reason: String = reason.split_whitespace().collect::<Vec<_>>().join(" ");
+                            let reason: String = reason.chars().take(240).collect();
+                            eprintln!(
+                                "frozen_{name}_t{rows}/{function}/{}: cannot launch here: {reason}",
+                                kernel.name()
+                            );
+                            continue;
+                        }
+                        let id = BenchmarkId::new(function, kernel.name());
+                        group.bench_function(id, |b| {
+                            b.iter(|| {
+                                let y = frozen_product_by(kernel, &x, &weight, transposed).expect("launched once");
+                                device.sync().unwrap();
+                                y.dims()
+                            })
+                        });
+                    }
+                }
+            }
+            group.finish();
+        }
+    }
+}
+
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+fn bench_frozen(_: &mut Criterion) {}
+
+criterion_group!(benches, bench_fma_peak, bench_gemm, bench_frozen);
 criterion_main!(benches);

@@ -162,6 +162,25 @@ pub fn fused_gpu_kernels() -> Result<bool> {
     }
 }
 
+/// The routine of the frozen base's products on a GPU (`model::matmul_kernel`): `TROUPE_MATMUL`
+/// (`auto`, the default, or one of cubek's routines by troupe's name for it) if set.
+pub fn matmul_kernel() -> Result<crate::model::MatmulKernel> {
+    parse_matmul_kernel(std::env::var("TROUPE_MATMUL").ok().as_deref())
+}
+
+fn parse_matmul_kernel(value: Option<&str>) -> Result<crate::model::MatmulKernel> {
+    match value.map(str::trim) {
+        None | Some("") => Ok(crate::model::MatmulKernel::Auto),
+        Some(name) => <crate::model::MatmulKernel as clap::ValueEnum>::from_str(name, true).map_err(|_| {
+            let known: Vec<String> = crate::model::MatmulKernel::all().iter().map(|k| k.name()).collect();
+            TroupeError::invalid(
+                "TROUPE_MATMUL",
+                format!("unknown matmul kernel {name:?} (known: {})", known.join(", ")),
+            )
+        }),
+    }
+}
+
 /// The multiple of slots a batch's rows are padded to on a GPU (`CausalLm::width_step`):
 /// `TROUPE_WIDTH_STEP` (a positive count; 1 pads only to the longest row, as the CPU does, to
 /// compare the two on one GPU) if set, else [`crate::model::GPU_WIDTH_STEP`].
@@ -247,6 +266,18 @@ mod tests {
             let err = parse_width_step(Some(bad)).unwrap_err().to_string();
             assert!(err.contains("TROUPE_WIDTH_STEP") && err.contains(&format!("{bad:?}")), "{err}");
         }
+    }
+
+    #[test]
+    fn the_matmul_kernel_reads_a_known_name_and_refuses_the_rest() {
+        use crate::model::MatmulKernel;
+        assert_eq!(parse_matmul_kernel(None).unwrap(), MatmulKernel::Auto);
+        assert_eq!(parse_matmul_kernel(Some(" ")).unwrap(), MatmulKernel::Auto);
+        assert_eq!(parse_matmul_kernel(Some("double-cmma")).unwrap(), MatmulKernel::DoubleCmma);
+        assert_eq!(parse_matmul_kernel(Some(" Specialized-TMA-cmma ")).unwrap(), MatmulKernel::SpecializedTmaCmma);
+        let err = parse_matmul_kernel(Some("cublas")).unwrap_err().to_string();
+        assert!(err.contains("TROUPE_MATMUL") && err.contains("\"cublas\""), "{err}");
+        assert!(err.contains("auto, simple-cmma, simple-mma") && err.contains("double-unit"), "{err}");
     }
 
     #[test]

@@ -8,8 +8,8 @@ and a Python that has the peers (`pip install -r tools/requirements-peers.txt`):
     python3 tools/gpu_figures.py --device cpu --quick --out /tmp/figures.json   # a smoke run
 
 On a machine without cargo, build the benchmark executables elsewhere
-(`cargo bench --no-run --features cuda --bench model --bench adapters` prints their paths),
-copy them into one folder as `model` and `adapters`, and pass `--benches FOLDER`.
+(`cargo bench --no-run --features cuda --bench model --bench adapters --bench gemm` prints their
+paths), copy them into one folder as `model`, `adapters` and `gemm`, and pass `--benches FOLDER`.
 
 Runs, in this order, each part `--reps` times alternating troupe and its peer:
 - kernels (`--kernel-presets`, default `small,qwen3-0.6b`): troupe's criterion benchmarks `model`
@@ -25,8 +25,17 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   on `writing_tldr` with the length reward, 2 agents x `--groups` x `--group-size` replies of
   `--new-tokens` tokens, and TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
   seconds per iteration / step after the first, and each side's peak memory;
+- with `--gemm`, before the iterations, the frozen products (`frozen_products_<preset>`, at
+  each iteration preset): troupe's benchmark `gemm` times each product of the preset's layers
+  and its LM head, `x W^T` and the input's gradient `dy W`, at `--gemm-rows` rows, by each
+  cubek routine of `--gemm-kernels` (`TROUPE_MATMUL`), and `peer_bench.py --gemm` the same
+  products in PyTorch (cuBLAS): TFLOP/s of each, each product's fastest routine, and the routine
+  that takes least time over an update micro-batch's products (each layer's once, the LM head
+  once; a shape a routine cannot launch counted at `auto`'s time, as troupe then runs it);
 - the update's FLOP rate (troupe's `gflop_per_second_update`, per iteration) as a fraction of the
   device's dense GEMM rate in the same dtype, measured by the peer's Python (torch.matmul);
+- with `--matmul KERNEL[,KERNEL]` (`best`: the `--gemm` part's routine for that preset), after
+  each preset's iterations the same run with `TROUPE_MATMUL=KERNEL` (`troupe_matmul_<kernel>`);
 - with `--troupe-autotune PATH` (troupe built with `--features autotune`), after each preset's
   iterations the same run with that binary, two iterations longer: burn's autotune tunes each new
   shape on first use, so its last iteration is the figure (`troupe_autotune`);
@@ -171,7 +180,6 @@ def troupe_kernels(args, criterion_dir, preset):
     fastest sample, the estimator the peer reports) and the mixed batch's K=8 / K=1 time. The
     prefill / decode benchmarks run with each attention kernel, materialized first: criterion keeps
     a benchmark's latest run only, so each run is read before the next."""
-    features = ["--features", "cuda"] if args.device.startswith("cuda") else []
     if args.quick:
         timing = ["--warm-up-time", "1", "--measurement-time", "1"]
     elif args.bench_seconds:
@@ -187,10 +195,7 @@ def troupe_kernels(args, criterion_dir, preset):
     out = {}
 
     def bench(name):
-        # A prebuilt criterion executable (`--benches`) takes the arguments `cargo bench` hands it.
-        if args.benches:
-            return [os.path.join(args.benches, name), "--bench"]
-        return ["cargo", "bench", *features, "--bench", name, "--"]
+        return bench_command(args, name)
 
     for kernel in ("materialized", "flash"):
         if kernel not in args.attention_kernels.split(","):
@@ -214,6 +219,90 @@ def troupe_kernels(args, criterion_dir, preset):
               ["mean"]["point_estimate"] for k in (1, 8))
     out["mixed32_K8_rel"] = k8 / k1
     return out
+
+
+def bench_command(args, name):
+    """The command that runs troupe's criterion benchmark `name`, arguments for criterion after it:
+    a prebuilt executable (`--benches`) takes the arguments `cargo bench` hands it."""
+    if args.benches:
+        return [os.path.join(args.benches, name), "--bench"]
+    features = ["--features", "cuda"] if args.device.startswith("cuda") else []
+    return ["cargo", "bench", *features, "--bench", name, "--"]
+
+
+# The routines `--gemm` times by default: burn's rule and the accelerated routines burn's autotune
+# tries first on a large general product (troupe's names for them, `TROUPE_MATMUL`).
+GEMM_KERNELS = ("auto,simple-mma,simple-multirow-cmma,double-cmma,double-mma,double-specialized-cmma,"
+                "ordered-double-cmma,ordered-double8-cmma,specialized-cmma,simple-tma-cmma,specialized-tma-cmma")
+
+
+def known_matmul_kernels(troupe):
+    """The routines `TROUPE_MATMUL` names, as the binary lists them when it refuses an unknown one."""
+    proc = subprocess.run([troupe, "env", "list"], env={**os.environ, "TROUPE_MATMUL": "?"},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    found = re.search(r"TROUPE_MATMUL.*\(known: ([^)]*)\)", proc.stderr)
+    if proc.returncode == 0 or not found:
+        sys.exit(f"error: {troupe} does not list its matmul kernels (TROUPE_MATMUL); is it this commit's build?")
+    return [name.strip() for name in found.group(1).split(",")]
+
+
+def frozen_products(args, criterion_dir, model_dir, preset, kernels):
+    """One repetition of the `--gemm` part at `preset`: troupe's TFLOP/s per product and routine
+    (`{product: {kernel: tflops}}`, from criterion's fastest sample) and PyTorch's per product."""
+    rows = [int(r) for r in args.gemm_rows.split(",")]
+    if args.quick:
+        timing = ["--warm-up-time", "0.1", "--measurement-time", "0.1"]
+    else:
+        seconds = args.bench_seconds if args.bench_seconds else 0.5
+        timing = ["--warm-up-time", "0.2", "--measurement-time", str(seconds)]
+    env = {"TROUPE_DEVICE": args.device, "TROUPE_DTYPE": args.dtype, "CARGO_TARGET_DIR": args.target_dir,
+           "TROUPE_BENCH_PRESETS": preset, "TROUPE_GEMM_KERNELS": ",".join(kernels),
+           "TROUPE_GEMM_ROWS": args.gemm_rows}
+    groups = "|".join(re.escape(f"frozen_{preset}_t{r}") for r in rows)
+    names = "|".join(re.escape(k) for k in kernels)
+    run([*bench_command(args, "gemm"), f"^({groups})/[^/]+/({names})$", *timing], env)
+    ours = {}
+    for r in rows:
+        group_dir = os.path.join(criterion_dir, f"frozen_{preset}_t{r}")
+        for product in sorted(os.listdir(group_dir)) if os.path.isdir(group_dir) else []:
+            for kernel in kernels:
+                bench = f"frozen_{preset}_t{r}/{product}/{kernel}"
+                if not os.path.exists(os.path.join(criterion_dir, bench, "new", "sample.json")):
+                    continue
+                fastest_ns, _mean = criterion_fastest.fastest_and_mean_ns(criterion_dir, bench)
+                flop = criterion_fastest.tokens_per_pass(criterion_dir, bench)
+                ours.setdefault(f"t{r}_{product}", {})[kernel] = flop / fastest_ns / 1e3
+    peer = last_json(run([args.python, "tools/peer_bench.py", model_dir, "--gemm", "--device", args.device,
+                          "--dtype", args.dtype, "--threads", str(args.threads), "--gemm-rows", args.gemm_rows,
+                          "--gemm-backward"], log=subprocess.DEVNULL), "peer_bench.py --gemm")
+    torch = {}
+    for key in ours:
+        # troupe's `t2048_fwd_qkv_4096x1024` is the peer's `gemm_gflop_s_t2048_qkv_4096x1024`.
+        r, direction, rest = key.split("_", 2)
+        peer_key = f"gemm_gflop_s_{r}_{'' if direction == 'fwd' else 'bwd_'}{rest}"
+        if peer_key in peer:
+            torch[key] = peer[peer_key] / 1e3
+    return ours, torch
+
+
+def update_products_seconds(tflops, layers, kernel):
+    """Seconds a routine takes over one micro-batch's frozen products at the most rows measured:
+    each layer's products `layers` times and the LM head's once, forward and input gradient; a
+    product the routine did not launch counted at `auto`'s time, which troupe then runs. None when
+    a product has neither."""
+    rows = max(int(key.split("_", 1)[0][1:]) for key in tflops)
+    total = 0.0
+    for key, by_kernel in tflops.items():
+        r, _direction, rest = key.split("_", 2)
+        if int(r[1:]) != rows:
+            continue
+        rate = by_kernel.get(kernel) or by_kernel.get("auto")
+        if not rate:
+            return None
+        out, inner = (int(n) for n in rest.rsplit("_", 1)[1].split("x"))
+        count = 1 if rest.startswith("lm_head") else layers
+        total += count * 2 * rows * out * inner / (rate * 1e12)
+    return total
 
 
 def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None, env=None):
@@ -321,6 +410,13 @@ def main():
                    help="after each --preset's iterations, the same run with the rollout's KV cache held in f32 "
                         "(runtime.kv_cache=f32), to compare seconds and memory with the default (the base's "
                         "bf16 or f16 on a GPU)")
+    p.add_argument("--gemm", action="store_true",
+                   help="time the frozen products at each iteration preset by each cubek routine, and PyTorch's")
+    p.add_argument("--gemm-rows", default="2048", help="the rows of the --gemm products (64 is a decoding step's)")
+    p.add_argument("--gemm-kernels", default=GEMM_KERNELS,
+                   help="the routines --gemm times (TROUPE_MATMUL's names), or `all`")
+    p.add_argument("--matmul", default="",
+                   help="routines (TROUPE_MATMUL) to run each iteration preset once more with; `best`: --gemm's")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -344,9 +440,20 @@ def main():
         sys.exit(f"error: --troupe-autotune {args.troupe_autotune}: no such executable")
     if not os.access(args.troupe, os.X_OK):
         sys.exit(f"error: --troupe {args.troupe}: no such executable (cargo build --release first)")
-    for name in ("model", "adapters") if args.benches and not args.skip_kernels else ():
+    needed = ([] if args.skip_kernels else ["model", "adapters"]) + (["gemm"] if args.gemm else [])
+    for name in needed if args.benches else ():
         if not os.access(os.path.join(args.benches, name), os.X_OK):
             sys.exit(f"error: --benches {args.benches}: no executable `{name}` in it")
+    if not all(r.strip().isdigit() and int(r) >= 1 for r in args.gemm_rows.split(",")):
+        sys.exit(f"error: --gemm-rows {args.gemm_rows}: positive counts of rows separated by commas")
+    known = known_matmul_kernels(args.troupe)
+    gemm_kernels = known if args.gemm_kernels == "all" else [k.strip() for k in args.gemm_kernels.split(",")]
+    matmuls = [k.strip() for k in args.matmul.split(",") if k.strip()]
+    for kernel in gemm_kernels + [k for k in matmuls if k != "best"]:
+        if kernel not in known:
+            sys.exit(f"error: unknown matmul kernel {kernel!r} (known: {', '.join(known)})")
+    if "best" in matmuls and not args.gemm:
+        sys.exit("error: --matmul best needs --gemm, whose fastest routine it runs")
     result = {"machine": machine(args.device, args.python), "device": args.device, "dtype": args.dtype,
               "quick": args.quick,
               "settings": {k: getattr(args, k) for k in ("preset", "reps", "iterations", "groups",
@@ -377,6 +484,38 @@ def main():
                                                             "decode_tok_s_b1": True, "decode_tok_s_b16": True,
                                                             "lora_train_tok_s_b8x128": True}))
             result[f"kernels_{preset}"] = kernels
+            write(args.out, result)
+        best_kernel = {}
+        for preset in args.preset.split(",") if args.gemm else []:
+            model_dir = model_dir_of(preset)
+            with open(os.path.join(model_dir, "config.json")) as f:
+                layers = json.load(f)["num_hidden_layers"]
+            part = {"rows": args.gemm_rows, "kernels": gemm_kernels, "troupe_tflops": [], "torch_tflops": []}
+            for _ in range(args.reps):
+                ours, torch = frozen_products(args, os.path.join(args.target_dir, "criterion"), model_dir, preset,
+                                              gemm_kernels)
+                part["troupe_tflops"].append(ours)
+                part["torch_tflops"].append(torch)
+            last, torch = part["troupe_tflops"][-1], part["torch_tflops"][-1]
+            part["fastest_kernel"] = {key: max(rates, key=rates.get) for key, rates in last.items() if rates}
+            part["troupe_best_over_torch"] = [{key: max(rates.values()) / t[key] for key, rates in o.items()
+                                               if rates and key in t} for o, t in zip(part["troupe_tflops"],
+                                                                                      part["torch_tflops"])]
+            part["troupe_auto_over_torch"] = [{key: rates["auto"] / t[key] for key, rates in o.items()
+                                               if "auto" in rates and key in t} for o, t in zip(part["troupe_tflops"],
+                                                                                               part["torch_tflops"])]
+            # One micro-batch's frozen products by each routine, and by PyTorch, in seconds.
+            # A routine that launched none of the products is no candidate (troupe would run auto).
+            launched = [k for k in gemm_kernels if any(k in rates for rates in last.values())]
+            seconds = {k: update_products_seconds(last, layers, k) for k in launched}
+            seconds = {k: v for k, v in seconds.items() if v is not None}
+            part["update_products_s"] = seconds
+            if torch:
+                part["update_products_s_torch"] = update_products_seconds(
+                    {key: {"auto": rate} for key, rate in torch.items()}, layers, "auto")
+            if seconds:
+                best_kernel[preset] = part["update_products_best"] = min(seconds, key=seconds.get)
+            result[f"frozen_products_{preset}"] = part
             write(args.out, result)
         gemm = None
         for preset in [] if args.skip_iteration else args.preset.split(","):
@@ -422,6 +561,18 @@ def main():
                 iteration["troupe_f32_kv_cache"] = wide
                 iteration["troupe_f32_kv_cache_s_over_troupe_s_per_iteration"] = [
                     wide["s_per_iteration"] / ours["s_per_iteration"] for ours in iteration["troupe"]]
+                write(args.out, result)
+            for kernel in matmuls:
+                # The same run with the frozen products by another cubek routine.
+                name = best_kernel.get(preset) if kernel == "best" else kernel
+                if name is None:
+                    continue
+                other = troupe_iteration(args, model_dir, work, f"{preset}-matmul-{name}",
+                                         env={"TROUPE_MATMUL": name})
+                key = "troupe_matmul_best" if kernel == "best" else f"troupe_matmul_{name}"
+                iteration[key] = {**other, "kernel": name}
+                iteration[f"{key}_s_over_troupe_s_per_iteration"] = [
+                    other["s_per_iteration"] / ours["s_per_iteration"] for ours in iteration["troupe"]]
                 write(args.out, result)
             if args.troupe_autotune:
                 # The same run on the build with burn's autotune (`--features autotune`): its first

@@ -87,7 +87,9 @@ pub fn main_with(registry: Registry) -> std::process::ExitCode {
         }
     };
     // Checked here, before any work, so that a misspelt value stops with one line.
-    let checked = crate::device::fused_gpu_kernels().and_then(|_| crate::device::gpu_width_step());
+    let checked = crate::device::fused_gpu_kernels()
+        .and_then(|_| crate::device::gpu_width_step())
+        .and_then(|_| crate::device::matmul_kernel());
     let result = checked.map_err(Into::into).and_then(|_| match cli.command {
         Command::InitModel(args) => model::init_model(args),
         Command::Logprobs(args) => device().map_err(Into::into).and_then(|d| model::logprobs(args, &d)),

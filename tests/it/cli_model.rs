@@ -95,6 +95,34 @@ fn bad_input_is_one_line_and_nonzero() {
     }
 }
 
+/// `TROUPE_MATMUL` reaches the frozen products: on the CPU (troupe's own products, whatever the
+/// routine) every routine gives `auto`'s values exactly; on a GPU (`TROUPE_TEST_DEVICE`) the
+/// routine without tile-matrix units and a double-buffered one (which falls back to `auto`, with
+/// one warning, where the device has no such units) stay within the tests' tolerance of `auto`.
+#[test]
+fn the_matmul_kernel_reaches_the_frozen_products() {
+    let device = std::env::var("TROUPE_TEST_DEVICE").ok().filter(|name| !name.is_empty());
+    let run = |kernel: &str| {
+        let mut args: Vec<&str> = device.iter().flat_map(|name| ["--device", name.as_str()]).collect();
+        args.extend_from_slice(&["logprobs", "--text", "Player 1 hints red to player 0.", "--dtype", "f32"]);
+        let out = Command::new(env!("CARGO_BIN_EXE_troupe")).args(&args).env("TROUPE_MATMUL", kernel).output().unwrap();
+        json_stdout(&out)
+    };
+    let values = |json: &serde_json::Value| -> Vec<f64> {
+        json["logprobs"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect()
+    };
+    let auto = run("auto");
+    for kernel in ["simple-unit", "double-cmma"] {
+        let other = run(kernel);
+        assert_eq!(other["input_ids"], auto["input_ids"], "{kernel}");
+        let worst = values(&other).iter().zip(values(&auto)).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        // On a GPU f32 products round to TF32 on the tile-matrix units, and routines sum in
+        // their own orders.
+        let allowed = if device.as_deref().is_none_or(|name| name == "cpu") { 0.0 } else { 2e-2 };
+        assert!(worst <= allowed, "{kernel}: log-probs differ from auto by {worst}");
+    }
+}
+
 /// `--attention` reaches `logprobs` and `generate`: on the CPU (troupe's own fused attention,
 /// whatever the flag) every kernel gives the default's values exactly; on a GPU
 /// (`TROUPE_TEST_DEVICE=cuda`) the flash kernel runs without falling back and stays within the

@@ -211,6 +211,13 @@ fn a_bad_gpu_width_step_is_one_clear_line_before_any_work() {
 }
 
 #[test]
+fn an_unknown_matmul_kernel_is_one_clear_line_before_any_work() {
+    let line = train_error_with_env("TROUPE_MATMUL", "cublas");
+    assert!(line.contains("TROUPE_MATMUL") && line.contains("\"cublas\""), "{line}");
+    assert!(line.contains("auto, simple-cmma") && line.contains("specialized-tma-cmma"), "{line}");
+}
+
+#[test]
 fn print_config_shows_every_default_and_trains_nothing() {
     let dir = tempfile::tempdir().unwrap();
     // An older config: `training.micro_batch_rows` has moved to `runtime:`.

@@ -1162,3 +1162,91 @@ fn a_reserved_caches_one_kernel_write_equals_burns_slice_writes_on_the_test_devi
         assert_eq!(bits(back_k), bits(held_k.reshape(shape)), "{case}: a refused room is unchanged");
     }
 }
+
+/// Every routine `TROUPE_MATMUL` can name either computes a frozen product as an f64 sum of its
+/// rounded operands does, or refuses it before writing anything, on the device of
+/// `TROUPE_TEST_DEVICE` (nothing to check on the CPU, whose products are troupe's own): `x W^T`
+/// and `dy W`, in f32 and in the half precision the device has (bf16 on CUDA, f16 on wgpu), at
+/// shapes whose sides divide the tiles and shapes whose sides do not. `auto` and the routine
+/// without tile-matrix units (`simple-unit`, burn's fallback) launch everywhere. Which routines
+/// refuse, and why, is printed (`--nocapture`).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[test]
+fn every_matmul_routine_computes_a_frozen_product_or_refuses_it_on_the_test_device() {
+    use burn::tensor::DType;
+    use troupe::model::fused::gpu::frozen_product_by;
+    use troupe::model::MatmulKernel;
+
+    let device = crate::common::test_device();
+    if device == Device::flex() {
+        return;
+    }
+    let half = if troupe::device::is_cuda(&device) { DType::BF16 } else { DType::F16 };
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    // Per routine: the products it launched, those it refused, and its first refusal.
+    let mut tally = std::collections::BTreeMap::<String, (usize, usize, String)>::new();
+    for dtype in [DType::F32, half] {
+        for (rows, out, inner) in [(64, 256, 128), (37, 200, 72), (256, 512, 384)] {
+            let weight = random(&mut rng, [out, inner], 1.0, &device).cast(dtype);
+            let w: Vec<f64> = values(weight.clone().cast(DType::F32)).into_iter().map(f64::from).collect();
+            for transposed in [true, false] {
+                let width = if transposed { inner } else { out };
+                let x = random(&mut rng, [rows, width], 1.0, &device);
+                // The product rounds `x` to the weight's type; the reference sums the rounded values.
+                let xs: Vec<f64> = values(x.clone().cast(dtype).cast(DType::F32)).into_iter().map(f64::from).collect();
+                let cols = if transposed { out } else { inner };
+                // `x W^T`: w[j, i]; `dy W`: w[i, j]. Each output's sum, and the sum of its terms' sizes.
+                let reference: Vec<(f64, f64)> = (0..rows * cols)
+                    .map(|idx| {
+                        let (r, c) = (idx / cols, idx % cols);
+                        (0..width).fold((0.0, 0.0), |(sum, size), i| {
+                            let term = xs[r * width + i] * if transposed { w[c * inner + i] } else { w[i * inner + c] };
+                            (sum + term, size + term.abs())
+                        })
+                    })
+                    .collect();
+                // f32 operands multiply in TF32 on CUDA's tile units (a 10-bit mantissa); half
+                // operands' products are exact in f32; every routine accumulates in f32.
+                let tolerance = if dtype == DType::F32 && troupe::device::is_cuda(&device) { 2e-3 } else { 1e-5 };
+                for &kernel in MatmulKernel::all() {
+                    let what = format!(
+                        "{} {dtype:?} {rows}x{width} {} [{out}, {inner}]",
+                        kernel.name(),
+                        if transposed { "W^T" } else { "W" }
+                    );
+                    match frozen_product_by(kernel, &x, &weight, transposed) {
+                        Ok(y) => {
+                            assert_eq!(y.dims(), [rows, cols], "{what}");
+                            assert_eq!(y.dtype(), DType::F32, "{what}: written in f32");
+                            let got = values(y);
+                            let worst = got
+                                .iter()
+                                .zip(&reference)
+                                .map(|(&g, &(sum, size))| (f64::from(g) - sum).abs() / size.max(1e-30))
+                                .fold(0.0, f64::max);
+                            assert!(worst < tolerance, "{what}: {worst}");
+                            tally.entry(kernel.name()).or_default().0 += 1;
+                        }
+                        Err(reason) => {
+                            assert!(
+                                !matches!(kernel, MatmulKernel::Auto | MatmulKernel::SimpleUnit),
+                                "{what}: {reason}"
+                            );
+                            assert!(!reason.trim().is_empty(), "{what}: a refusal says why");
+                            let entry = tally.entry(kernel.name()).or_default();
+                            entry.1 += 1;
+                            if entry.2.is_empty() {
+                                entry.2 = format!("{what}: {reason}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (kernel, (launched, refused, first)) in &tally {
+        let first: String = first.split_whitespace().collect::<Vec<_>>().join(" ").chars().take(200).collect();
+        let first = if first.is_empty() { String::new() } else { format!(" (first: {first})") };
+        eprintln!("{kernel}: {launched} launched, {refused} refused{first}");
+    }
+}

@@ -11,29 +11,128 @@
 //!
 //! A weight in f32 takes the same node and one launch each way, as burn's matmul does.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, OnceLock};
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Autodiff, Cube};
 use burn::tensor::{DType, Tensor};
-use burn_cubecl::kernel::matmul::{matmul, MatmulStrategy};
+use burn_cubecl::kernel::matmul::{init_matmul_output, matmul, MatmulStrategy};
 use burn_cubecl::kernel::{cast, untile};
+use cubek::matmul::definition::{MatmulElems, MatmulGlobalElems};
+use cubek::matmul::launch::launch_ref;
+use cubek::std::InputBinding;
+
+use crate::model::MatmulKernel;
 
 use super::{apply_tracked, Primitive, TrackedOp};
 
 /// `x W^T` (`transposed`) or `x W`, `x` f32 rounded to `weight`'s type when that is not f32,
-/// written in f32; `None` where burn's matmul cannot write f32 from that type on this device.
+/// written in f32 by the routine `TROUPE_MATMUL` names ([`kernel`]; burn's rule where that
+/// routine cannot launch it); `None` where burn's matmul cannot write f32 from that type on this
+/// device.
 fn product(x: Primitive, weight: &Primitive, transposed: bool) -> Option<Primitive> {
+    product_with(kernel(), x, weight, transposed)
+}
+
+/// [`product`] by `chosen`'s routine (`auto` where it cannot launch the product).
+fn product_with(chosen: MatmulKernel, x: Primitive, weight: &Primitive, transposed: bool) -> Option<Primitive> {
+    let (lhs, rhs) = operands(x, weight, transposed);
+    if chosen != MatmulKernel::Auto {
+        match product_by(chosen, lhs.clone(), rhs.clone()) {
+            Ok(out) => return Some(out),
+            Err(reason) => warn_once(chosen, &lhs, &rhs, &reason),
+        }
+    }
+    product_by(MatmulKernel::Auto, lhs, rhs).ok()
+}
+
+/// `x W^T` (`transposed`) or `x W` for a frozen `W` (`[out, in]`, in f32, bf16 or f16) on a
+/// cubecl device, in f32, by `kernel`'s routine alone, with no fallback: for comparing the
+/// routines (`benches/gemm.rs`). `x` is rounded to the weight's type first unless it is in it.
+/// The routine's refusal where it cannot launch the product; an error too for an operand off a
+/// cubecl device.
+///
+/// # Shapes
+/// `x`: `[rows, in]` (`transposed`) or `[rows, out]`, `weight`: `[out, in]` -> `[rows, out]` or
+/// `[rows, in]`
+pub fn frozen_product_by(
+    kernel: MatmulKernel,
+    x: &Tensor<2>,
+    weight: &Tensor<2>,
+    transposed: bool,
+) -> Result<Tensor<2>, String> {
+    let on_cube =
+        |t: &Tensor<2>| t.clone().try_into_primitive::<Cube>().map_err(|_| "not on a cubecl device".to_string());
+    let (lhs, rhs) = operands(on_cube(x)?, &on_cube(weight)?, transposed);
+    product_by(kernel, lhs, rhs).map(Tensor::from_primitive::<Cube>)
+}
+
+/// The routine of the frozen products: `TROUPE_MATMUL`, read once (the binary refuses a value
+/// it does not know before any work; elsewhere an unknown one is `auto`).
+fn kernel() -> MatmulKernel {
+    static KERNEL: OnceLock<MatmulKernel> = OnceLock::new();
+    *KERNEL.get_or_init(|| crate::device::matmul_kernel().unwrap_or_default())
+}
+
+/// `lhs rhs` written in f32 by `kernel`'s cubek routine, as burn's matmul launches one
+/// (`burn_cubecl::kernel::matmul::launch_matmul`, for operands of one type, neither quantized);
+/// the routine's refusal, with nothing written, where it cannot launch the product here.
+///
+/// # Shapes
+/// `lhs`: `[m, k]`, `rhs`: `[k, n]` (any strides) -> `[m, n]`
+fn product_by(kernel: MatmulKernel, lhs: Primitive, rhs: Primitive) -> Result<Primitive, String> {
+    if kernel == MatmulKernel::Auto {
+        return matmul(lhs, rhs, None, MatmulStrategy::default(), DType::F32).map_err(|e| format!("{e:?}"));
+    }
+    let out = init_matmul_output(&lhs, &rhs, DType::F32);
+    let (lhs_type, rhs_type) = (dtype_to_storage_type(lhs.dtype), dtype_to_storage_type(rhs.dtype));
+    let mut dtypes = MatmulElems::from_globals(&MatmulGlobalElems {
+        lhs: lhs_type,
+        rhs: rhs_type,
+        out: dtype_to_storage_type(DType::F32),
+    });
+    let client = out.client.clone();
+    launch_ref(
+        &kernel.cubek(),
+        &client,
+        InputBinding::new(lhs.binding(), lhs_type),
+        InputBinding::new(rhs.binding(), rhs_type),
+        out.clone().binding(),
+        &mut dtypes,
+    )
+    .map_err(|e| format!("{e:?}"))?;
+    Ok(out)
+}
+
+/// Warns, once per routine in a process, that `TROUPE_MATMUL`'s routine could not launch a
+/// product, which burn's rule ran instead.
+fn warn_once(kernel: MatmulKernel, lhs: &Primitive, rhs: &Primitive, reason: &str) {
+    static WARNED: Mutex<Option<HashSet<MatmulKernel>>> = Mutex::new(None);
+    let mut warned = WARNED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if warned.get_or_insert_with(HashSet::new).insert(kernel) {
+        let reason: String = reason.split_whitespace().collect::<Vec<_>>().join(" ");
+        tracing::warn!(
+            "TROUPE_MATMUL={}: a product {:?} x {:?} ({:?}) ran burn's rule instead (this routine's later refusals are not reported): {reason}",
+            kernel.name(),
+            lhs.meta.shape().as_slice(),
+            rhs.meta.shape().as_slice(),
+            lhs.dtype,
+        );
+    }
+}
+
+/// The product's operands: `x` rounded to `weight`'s type when that is not f32 (an `x` already
+/// in it was rounded by the kernel that wrote it), and `weight` or its transposed view.
+fn operands(x: Primitive, weight: &Primitive, transposed: bool) -> (Primitive, Primitive) {
     let low = weight.dtype;
-    // An `x` already in the weight's type was rounded by the kernel that wrote it.
     let lhs = if low == DType::F32 || x.dtype == low { x } else { cast(untile(x), low) };
-    let rhs = if transposed { transpose(weight) } else { weight.clone() };
-    matmul(lhs, rhs, None, MatmulStrategy::default(), DType::F32).ok()
+    (lhs, if transposed { transpose(weight) } else { weight.clone() })
 }
 
 /// A 2-D primitive's transposed view.
@@ -59,7 +158,8 @@ fn writes_f32(weight: &Primitive) -> bool {
         let row = Tensor::<2>::zeros([1, fan_in], &device)
             .try_into_primitive::<Cube>()
             .expect("a tensor made on a cubecl device is a cubecl primitive");
-        product(row, weight, true).is_some()
+        // burn's rule, which every other routine falls back to.
+        product_with(MatmulKernel::Auto, row, weight, true).is_some()
     })
 }
 

@@ -72,7 +72,7 @@ pub(super) use attention::applies as attention_applies;
 pub use attention::{attention, attention_tracked, masked_softmax, softmax_grad};
 pub use cache_write::cache_write;
 pub use decode_attention::decode_attention;
-pub use linear::{frozen_linear, frozen_linear_backward, frozen_linear_rounded, rounding};
+pub use linear::{frozen_linear, frozen_linear_backward, frozen_linear_rounded, frozen_product_by, rounding};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
 pub use norm_rope::{rms_norm_rope, rms_norm_rope_pair};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
