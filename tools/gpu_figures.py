@@ -285,6 +285,12 @@ def frozen_products(args, criterion_dir, model_dir, preset, kernels):
     return ours, torch
 
 
+def layers_of(model_dir):
+    """The model's layer count, from its config.json."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)["num_hidden_layers"]
+
+
 def update_products_seconds(tflops, layers, kernel):
     """Seconds a routine takes over one micro-batch's frozen products at the most rows measured:
     each layer's products `layers` times and the LM head's once, forward and input gradient; a
@@ -446,10 +452,11 @@ def main():
             sys.exit(f"error: --benches {args.benches}: no executable `{name}` in it")
     if not all(r.strip().isdigit() and int(r) >= 1 for r in args.gemm_rows.split(",")):
         sys.exit(f"error: --gemm-rows {args.gemm_rows}: positive counts of rows separated by commas")
-    known = known_matmul_kernels(args.troupe)
-    gemm_kernels = known if args.gemm_kernels == "all" else [k.strip() for k in args.gemm_kernels.split(",")]
     matmuls = [k.strip() for k in args.matmul.split(",") if k.strip()]
-    for kernel in gemm_kernels + [k for k in matmuls if k != "best"]:
+    # The routines' names, from the binary, only when a routine is asked for.
+    known = known_matmul_kernels(args.troupe) if args.gemm or matmuls else []
+    gemm_kernels = known if args.gemm_kernels == "all" else [k.strip() for k in args.gemm_kernels.split(",")]
+    for kernel in (gemm_kernels if args.gemm else []) + [k for k in matmuls if k != "best"]:
         if kernel not in known:
             sys.exit(f"error: unknown matmul kernel {kernel!r} (known: {', '.join(known)})")
     if "best" in matmuls and not args.gemm:
@@ -488,8 +495,7 @@ def main():
         best_kernel = {}
         for preset in args.preset.split(",") if args.gemm else []:
             model_dir = model_dir_of(preset)
-            with open(os.path.join(model_dir, "config.json")) as f:
-                layers = json.load(f)["num_hidden_layers"]
+            layers = layers_of(model_dir)
             part = {"rows": args.gemm_rows, "kernels": gemm_kernels, "troupe_tflops": [], "torch_tflops": []}
             for _ in range(args.reps):
                 ours, torch = frozen_products(args, os.path.join(args.target_dir, "criterion"), model_dir, preset,

@@ -172,6 +172,61 @@ def test_gpu_figures_f32_kv_cache_reruns_the_iteration_with_the_cache_in_f32(mon
     assert got["troupe_f32_kv_cache_s_over_troupe_s_per_iteration"] == [1.25]
 
 
+def test_gpu_figures_frozen_products_read_each_routines_benchmarks_and_the_peers_rates(monkeypatch, tmp_path):
+    # 2 * 2048 * 256 * 128 FLOP a pass; fastest 1e6 ns -> 0.134 TFLOP/s; double-cmma refused the
+    # forward (no benchmark written) and launched the input's gradient.
+    flop = 2 * 2048 * 256 * 128
+    write_bench(tmp_path, "frozen_tiny_t2048/fwd_qkv_256x128/auto", flop, [2e6], [2], 1e6)
+    write_bench(tmp_path, "frozen_tiny_t2048/bwd_qkv_256x128/auto", flop, [4e6], [2], 2e6)
+    write_bench(tmp_path, "frozen_tiny_t2048/bwd_qkv_256x128/double-cmma", flop, [2e6], [2], 1e6)
+    commands = []
+
+    def run(cmd, env=None, log=None):
+        commands.append((cmd, env))
+        if "tools/peer_bench.py" in cmd:
+            return json.dumps({"gemm_gflop_s_t2048_qkv_256x128": 200.0, "gemm_gflop_s_t2048_bwd_qkv_256x128": 100.0})
+        return ""
+
+    monkeypatch.setattr(gpu_figures, "run", run)
+    args = gpu_figures.argparse.Namespace(device="cuda", dtype="bf16", target_dir="t", gemm_rows="2048", quick=False,
+                                          bench_seconds=None, benches=None, python="py", threads=2)
+    ours, torch = gpu_figures.frozen_products(args, str(tmp_path), "m", "tiny", ["auto", "double-cmma"])
+    assert abs(ours["t2048_fwd_qkv_256x128"]["auto"] - flop / 1e6 / 1e3) < 1e-9
+    assert set(ours["t2048_bwd_qkv_256x128"]) == {"auto", "double-cmma"}
+    assert "double-cmma" not in ours["t2048_fwd_qkv_256x128"]
+    assert torch == {"t2048_fwd_qkv_256x128": 0.2, "t2048_bwd_qkv_256x128": 0.1}
+    bench_cmd, env = commands[0]
+    assert env["TROUPE_GEMM_KERNELS"] == "auto,double-cmma" and env["TROUPE_GEMM_ROWS"] == "2048"
+    assert bench_cmd[-5] == "^(frozen_tiny_t2048)/[^/]+/(auto|double\\-cmma)$", bench_cmd
+    assert "--gemm-backward" in commands[1][0]
+
+
+def test_gpu_figures_update_products_seconds_count_each_layer_and_fall_back_to_auto():
+    tflops = {"t2048_fwd_o_128x128": {"auto": 1.0, "fast": 2.0},
+              "t2048_bwd_o_128x128": {"auto": 1.0},
+              "t2048_fwd_lm_head_1024x128": {"auto": 1.0, "fast": 4.0},
+              "t64_fwd_o_128x128": {"auto": 0.001}}
+    flop = lambda out, inner: 2 * 2048 * out * inner / 1e12
+    auto = gpu_figures.update_products_seconds(tflops, 3, "auto")
+    assert abs(auto - (3 * flop(128, 128) * 2 + flop(1024, 128))) < 1e-15
+    fast = gpu_figures.update_products_seconds(tflops, 3, "fast")
+    # `fast` did not launch the input's gradient: counted at auto's time; the 64-row product is not counted.
+    assert abs(fast - (3 * flop(128, 128) / 2 + 3 * flop(128, 128) + flop(1024, 128) / 4)) < 1e-15
+
+
+def test_gpu_figures_matmul_best_reruns_the_iteration_with_the_fastest_routine(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_figures, "known_matmul_kernels", lambda troupe: ["auto", "double-cmma", "simple-unit"])
+    monkeypatch.setattr(gpu_figures, "layers_of", lambda model_dir: 2)
+    monkeypatch.setattr(gpu_figures, "frozen_products", lambda args, criterion_dir, model_dir, preset, kernels: (
+        {"t2048_fwd_o_128x128": {"auto": 1.0, "double-cmma": 3.0, "simple-unit": 0.5}}, {"t2048_fwd_o_128x128": 2.0}))
+    runs, got = run_figures_iterations(monkeypatch, tmp_path, ["--gemm", "--gemm-kernels", "auto,double-cmma,simple-unit",
+                                                               "--matmul", "best"],
+                                       lambda extra, env: 1.0 if env else 2.0)
+    assert [env for _, env in runs] == [None, {"TROUPE_MATMUL": "double-cmma"}]
+    assert got["troupe_matmul_best"]["kernel"] == "double-cmma"
+    assert got["troupe_matmul_best_s_over_troupe_s_per_iteration"] == [0.5]
+
+
 def test_gpu_figures_refuses_width_steps_that_are_not_positive_counts(tmp_path):
     got = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_figures.py"), "--device", "cpu",
                           "--width-steps", "8,x", "--out", str(tmp_path / "f.json")],
