@@ -4,7 +4,7 @@
 # and `gemm` benchmark executables and the integration-test executable `it`, stripped into one
 # xz archive for `tools/gpu_check.sh` (docs/gpu.md, "Checking a build on a GPU machine").
 #
-#   bash tools/gpu_bundle.sh [--autotune] [ARCHIVE]     # default gpu-bundle.tar.xz (about 30 MB without --autotune)
+#   bash tools/gpu_bundle.sh [--autotune] [ARCHIVE]     # default gpu-bundle.tar.xz (about 35 MB without --autotune)
 #
 # `--autotune` adds `troupe-autotune`, troupe built with `--features autotune` (burn's autotuned
 # kernels), which `tools/gpu_check.sh` then runs beside the plain build. `CARGO_TARGET_DIR` is
