@@ -165,8 +165,8 @@ fn bench_frozen(c: &mut Criterion) {
         Ok(names) if !names.trim().is_empty() => names
             .split(',')
             .map(|name| {
-                <MatmulKernel as clap::ValueEnum>::from_str(name.trim(), true)
-                    .unwrap_or_else(|_| panic!("TROUPE_GEMM_KERNELS: unknown matmul kernel {name:?}"))
+                assert!(!name.trim().is_empty(), "TROUPE_GEMM_KERNELS: an empty name in {names:?}");
+                troupe::device::parse_matmul_kernel(Some(name)).unwrap_or_else(|e| panic!("TROUPE_GEMM_KERNELS: {e}"))
             })
             .collect(),
         _ => MatmulKernel::all().to_vec(),

@@ -168,7 +168,9 @@ pub fn matmul_kernel() -> Result<crate::model::MatmulKernel> {
     parse_matmul_kernel(std::env::var("TROUPE_MATMUL").ok().as_deref())
 }
 
-fn parse_matmul_kernel(value: Option<&str>) -> Result<crate::model::MatmulKernel> {
+/// One routine's name as `TROUPE_MATMUL` takes it (`None` or blank: `auto`); an unknown one is an
+/// error naming `TROUPE_MATMUL` and the known names.
+pub fn parse_matmul_kernel(value: Option<&str>) -> Result<crate::model::MatmulKernel> {
     match value.map(str::trim) {
         None | Some("") => Ok(crate::model::MatmulKernel::Auto),
         Some(name) => <crate::model::MatmulKernel as clap::ValueEnum>::from_str(name, true).map_err(|_| {

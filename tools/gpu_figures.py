@@ -194,13 +194,10 @@ def troupe_kernels(args, criterion_dir, preset):
              f"decode_{preset}/b1": "decode_tok_s_b1", f"decode_{preset}/b16": "decode_tok_s_b16"}
     out = {}
 
-    def bench(name):
-        return bench_command(args, name)
-
     for kernel in ("materialized", "flash"):
         if kernel not in args.attention_kernels.split(","):
             continue
-        run([*bench("model"), f"^(prefill|decode)_{re.escape(preset)}/", *timing], {**env, "TROUPE_ATTENTION": kernel})
+        run([*bench_command(args, "model"), f"^(prefill|decode)_{re.escape(preset)}/", *timing], {**env, "TROUPE_ATTENTION": kernel})
         figures = tokens_per_second(criterion_dir, model)
         if kernel == "materialized":
             out.update(figures)
@@ -208,12 +205,12 @@ def troupe_kernels(args, criterion_dir, preset):
             out["attention_flash"] = figures
             out["attention_flash_over_materialized"] = {key: figures[key] / out[key] for key in figures}
     if getattr(args, "burn_kernels", False):
-        run([*bench("model"), f"^(prefill|decode)_{re.escape(preset)}/", *timing], {**env, "TROUPE_GPU_KERNELS": "burn"})
+        run([*bench_command(args, "model"), f"^(prefill|decode)_{re.escape(preset)}/", *timing], {**env, "TROUPE_GPU_KERNELS": "burn"})
         figures = tokens_per_second(criterion_dir, model)
         out["burn_kernels"] = figures
         out["troupe_kernels_over_burn"] = {key: out[key] / figures[key] for key in figures}
     lora, mixed = f"lora_train_step{suffix}", f"mixed32x64_forward{suffix}"
-    run([*bench("adapters"), f"^({re.escape(lora)}/|{re.escape(mixed)}/one_pass/)", *timing], env)
+    run([*bench_command(args, "adapters"), f"^({re.escape(lora)}/|{re.escape(mixed)}/one_pass/)", *timing], env)
     out.update(tokens_per_second(criterion_dir, {f"{lora}/b8x128": "lora_train_tok_s_b8x128"}))
     k1, k8 = (criterion_fastest.load(criterion_dir, f"{mixed}/one_pass/K{k}", "estimates.json")
               ["mean"]["point_estimate"] for k in (1, 8))
