@@ -155,49 +155,46 @@ impl GroupLayout {
         }
     }
 
-    /// A group's rows side by side, as one product over the group's prompt reads them.
+    /// `t`'s rows in the layout's order, each group's along a dimension of their own, as a
+    /// product broadcast over a group's prompt ([`GroupLayout::per_group`]) reads them: a view
+    /// after the gather, nothing copied.
     ///
     /// # Shapes
-    /// `t`: `[rows, kv_heads, folded, x]` -> `[groups, kv_heads, width * folded, x]`
-    fn by_group(&self, t: Tensor<4>) -> Tensor<4> {
-        self.side_by_side(self.gather(t))
-    }
-
-    /// [`GroupLayout::by_group`] with the places that repeat a row zeroed, for a product that
-    /// sums over a group's rows (a prompt's gradients): each row then counts once.
-    ///
-    /// # Shapes
-    /// `t`: `[rows, kv_heads, folded, x]` -> `[groups, kv_heads, width * folded, x]`
-    fn by_group_once(&self, t: Tensor<4>) -> Tensor<4> {
-        let gathered = self.gather(t);
-        match &self.held {
-            Some(held) => {
-                let places = held.dims()[0];
-                self.side_by_side(gathered * held.clone().reshape([places, 1, 1, 1]))
-            }
-            None => self.side_by_side(gathered),
-        }
-    }
-
-    /// `[groups * width, kv_heads, folded, x]` -> `[groups, kv_heads, width * folded, x]`
-    fn side_by_side(&self, t: Tensor<4>) -> Tensor<4> {
+    /// `t`: `[rows, kv_heads, folded, x]` -> `[groups, width, kv_heads, folded, x]`
+    fn grouped(&self, t: Tensor<4>) -> Tensor<5> {
         let [_, kv_heads, folded, last] = t.dims();
-        t.reshape([self.groups, self.width, kv_heads, folded, last]).swap_dims(1, 2).reshape([
-            self.groups,
-            kv_heads,
-            self.width * folded,
-            last,
-        ])
+        self.gather(t).reshape([self.groups, self.width, kv_heads, folded, last])
     }
 
-    /// The inverse of [`GroupLayout::by_group`], each row's place read back.
+    /// The inverse of [`GroupLayout::grouped`], each row's place read back.
     ///
     /// # Shapes
-    /// `t`: `[groups, kv_heads, width * folded, x]` -> `[rows, kv_heads, folded, x]`
-    fn by_row(&self, t: Tensor<4>, folded: usize) -> Tensor<4> {
-        let [groups, kv_heads, _, last] = t.dims();
-        let t = t.reshape([groups, kv_heads, self.width, folded, last]).swap_dims(1, 2);
-        self.scatter(t.reshape([groups * self.width, kv_heads, folded, last]))
+    /// `t`: `[groups, width, kv_heads, folded, x]` -> `[rows, kv_heads, folded, x]`
+    fn ungrouped(&self, t: Tensor<5>) -> Tensor<4> {
+        let [groups, width, kv_heads, folded, last] = t.dims();
+        self.scatter(t.reshape([groups * width, kv_heads, folded, last]))
+    }
+
+    /// A group's prompt (keys or values) broadcast over the group's rows of
+    /// [`GroupLayout::grouped`].
+    ///
+    /// # Shapes
+    /// `t`: `[groups, kv_heads, prompt, d]` -> `[groups, 1, kv_heads, prompt, d]`
+    fn per_group(t: Tensor<4>) -> Tensor<5> {
+        t.unsqueeze_dim(1)
+    }
+
+    /// Each group's sum over its rows, the places that repeat a row left out (each row then
+    /// counts once): a prompt's gradient from its replies'.
+    ///
+    /// # Shapes
+    /// `t`: `[groups, width, kv_heads, a, b]` -> `[groups, kv_heads, a, b]`
+    fn sum_over_group(&self, t: Tensor<5>) -> Tensor<4> {
+        let t = match &self.held {
+            Some(held) => t * held.clone().reshape([self.groups, self.width, 1, 1, 1]),
+            None => t,
+        };
+        t.sum_dim(1).squeeze_dim(1)
     }
 }
 
@@ -322,9 +319,9 @@ impl TwoParts<'_> {
     /// `q`: `[rows, kv_heads, folded, d]`, `prompt_k`: `[groups, kv_heads, prompt, d]`, `own_k`:
     /// `[rows, kv_heads, reply, d]` -> `[rows, kv_heads, folded, prompt + reply]`
     fn probabilities(&self, q: &Tensor<4>, prompt_k: &Tensor<4>, own_k: &Tensor<4>) -> Tensor<4> {
-        let folded = q.dims()[2];
         let groups = self.groups;
-        let prompt_scores = groups.by_row(groups.by_group(q.clone()).matmul(prompt_k.clone().swap_dims(2, 3)), folded);
+        let per_group = GroupLayout::per_group(prompt_k.clone()).swap_dims(3, 4);
+        let prompt_scores = groups.ungrouped(groups.grouped(q.clone()).matmul(per_group));
         let own_scores = q.clone().matmul(own_k.clone().swap_dims(2, 3));
         masked_softmax(Tensor::cat(vec![prompt_scores, own_scores], 3), self.mask, self.scale)
     }
@@ -336,11 +333,11 @@ impl TwoParts<'_> {
     /// `[groups, kv_heads, prompt, d]`, `own_v`: `[rows, kv_heads, reply, d]` ->
     /// `[rows, kv_heads, folded, d]`
     fn weighted(&self, probs: Tensor<4>, prompt_v: &Tensor<4>, own_v: &Tensor<4>) -> Tensor<4> {
-        let [_, _, folded, keys] = probs.dims();
+        let keys = probs.dims()[3];
         let prompt_len = prompt_v.dims()[2];
         let groups = self.groups;
-        let from_prompt =
-            groups.by_row(groups.by_group(probs.clone().narrow(3, 0, prompt_len)).matmul(prompt_v.clone()), folded);
+        let p_prompt = groups.grouped(probs.clone().narrow(3, 0, prompt_len));
+        let from_prompt = groups.ungrouped(p_prompt.matmul(GroupLayout::per_group(prompt_v.clone())));
         let from_own = probs.narrow(3, prompt_len, keys - prompt_len).matmul(own_v.clone());
         from_prompt + from_own
     }

@@ -8,13 +8,15 @@
 //! keys and values once per group) and recomputes the probabilities in its backward (two
 //! products and the masked softmax, as FlashAttention's backward does), then
 //!
-//! - `d own_v = p_own^T do`, `d prompt_v = p_prompt^T do` over each group's rows at once,
+//! - `d own_v = p_own^T do`, `d prompt_v = p_prompt^T do` summed over each group's rows,
 //! - `dp = do v^T` for both parts, `ds = scale p (dp - rowsum(p dp))` over the joined keys,
-//! - `dq = ds_prompt prompt_k + ds_own own_k`, `d prompt_k = ds_prompt^T q` over each group's
-//!   rows, `d own_k = ds_own^T q`.
+//! - `dq = ds_prompt prompt_k + ds_own own_k`, `d prompt_k = ds_prompt^T q` summed over each
+//!   group's rows, `d own_k = ds_own^T q`.
 //!
-//! A place of the group layout that repeats a row (a group short of the widest) is zeroed
-//! before the sums over a group's rows, so each row counts once. On a GPU the softmax and its
+//! The products against a group's prompt are batched over the group's rows with the prompt
+//! broadcast to them (no copy of it, nor of the rows side by side); those that sum over a
+//! group's rows sum the rows' products after, a place of the group layout that repeats a row
+//! (a group short of the widest) left out, so each row counts once. On a GPU the softmax and its
 //! backward are troupe's kernels; elsewhere burn's operations.
 
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -141,33 +143,36 @@ impl<B: Inner> Backward<B, 5> for SharedAttentionBackward {
         let Saved { owned, inputs: [q, prompt_k, prompt_v, own_k, own_v] } = ops.state;
         let parts = owned.parts();
         let groups = parts.groups;
-        let folded = q.dims()[2];
         let prompt_len = prompt_k.dims()[2];
         let keys = prompt_len + own_k.dims()[2];
         let probs = parts.probabilities(&q, &prompt_k, &own_k);
         let (p_prompt, p_own) =
             (probs.clone().narrow(3, 0, prompt_len), probs.clone().narrow(3, prompt_len, keys - prompt_len));
+        // Each group's rows along a dimension of their own, its prompt broadcast over them.
+        let grad_grouped = groups.grouped(grad.clone());
         if let Some(node) = node_own_v {
             grads.register::<B>(node.id, B::unwrap(p_own.clone().swap_dims(2, 3).matmul(grad.clone())));
         }
         if let Some(node) = node_prompt_v {
-            let weights = groups.by_group_once(p_prompt).swap_dims(2, 3);
-            grads.register::<B>(node.id, B::unwrap(weights.matmul(groups.by_group(grad.clone()))));
+            let per_row = groups.grouped(p_prompt).swap_dims(3, 4).matmul(grad_grouped.clone());
+            grads.register::<B>(node.id, B::unwrap(groups.sum_over_group(per_row)));
         }
         if node_q.is_none() && node_prompt_k.is_none() && node_own_k.is_none() {
             return;
         }
-        let dp_prompt = groups.by_row(groups.by_group(grad.clone()).matmul(prompt_v.swap_dims(2, 3)), folded);
+        let prompt_v = GroupLayout::per_group(prompt_v).swap_dims(3, 4);
+        let dp_prompt = groups.ungrouped(grad_grouped.matmul(prompt_v));
         let dp_own = grad.matmul(own_v.swap_dims(2, 3));
         let ds = softmax_grad(probs, Tensor::cat(vec![dp_prompt, dp_own], 3), parts.scale);
         let (ds_prompt, ds_own) = (ds.clone().narrow(3, 0, prompt_len), ds.narrow(3, prompt_len, keys - prompt_len));
+        let ds_prompt = groups.grouped(ds_prompt);
         if let Some(node) = node_q {
-            let from_prompt = groups.by_row(groups.by_group(ds_prompt.clone()).matmul(prompt_k), folded);
+            let from_prompt = groups.ungrouped(ds_prompt.clone().matmul(GroupLayout::per_group(prompt_k)));
             grads.register::<B>(node.id, B::unwrap(from_prompt + ds_own.clone().matmul(own_k)));
         }
         if let Some(node) = node_prompt_k {
-            let scores = groups.by_group_once(ds_prompt).swap_dims(2, 3);
-            grads.register::<B>(node.id, B::unwrap(scores.matmul(groups.by_group(q.clone()))));
+            let per_row = ds_prompt.swap_dims(3, 4).matmul(groups.grouped(q.clone()));
+            grads.register::<B>(node.id, B::unwrap(groups.sum_over_group(per_row)));
         }
         if let Some(node) = node_own_k {
             grads.register::<B>(node.id, B::unwrap(ds_own.swap_dims(2, 3).matmul(q)));
