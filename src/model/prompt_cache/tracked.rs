@@ -33,6 +33,12 @@ use super::{GroupLayout, TwoParts};
 trait Inner: Backend {
     fn wrap(primitive: FloatTensor<Self>) -> Tensor<4>;
     fn unwrap(tensor: Tensor<4>) -> FloatTensor<Self>;
+    /// `primitive` in the layout the node's products read without a copy of their own: a
+    /// view (the values' heads swapped out of the projection's rows) copied once here, where
+    /// each product reading it would copy it again. The CPU's products read any layout.
+    fn settled(primitive: FloatTensor<Self>) -> FloatTensor<Self> {
+        primitive
+    }
 }
 
 impl Inner for Flex {
@@ -51,6 +57,9 @@ impl Inner for burn::backend::Cube {
     }
     fn unwrap(tensor: Tensor<4>) -> FloatTensor<Self> {
         tensor.try_into_primitive::<burn::backend::Cube>().expect("the attention's operations stay on their device")
+    }
+    fn settled(primitive: FloatTensor<Self>) -> FloatTensor<Self> {
+        burn_cubecl::kernel::into_contiguous(primitive)
     }
 }
 
@@ -111,7 +120,7 @@ fn apply<B: Inner, C: CheckpointStrategy>(
     inputs: [FloatTensor<Autodiff<B, C>>; 5],
 ) -> FloatTensor<Autodiff<B, C>> {
     let nodes = inputs.each_ref().map(|t| t.node());
-    let plain = inputs.map(|t| B::wrap(t.into_primitive()));
+    let plain = inputs.map(|t| B::wrap(B::settled(t.into_primitive())));
     let out = B::unwrap(owned.parts().forward(&plain));
     match <SharedAttentionBackward as Backward<B, 5>>::prepare::<C>(SharedAttentionBackward, nodes)
         .compute_bound()
