@@ -5,19 +5,21 @@
 //! iteration's update of 16 rows over two agents' adapters (`Scorer::gradients`; with
 //! `update-iteration`, 32 such rows in two micro-batches, counted per micro-batch; with
 //! `update-shapes`, eight such micro-batches of random lengths, with the kernels each compiles when
-//! `CUBECL_DEBUG_LOG` names a file), and a mixed-adapter forward of 32 x 64 rows over 1 and 8 adapters. Each workload runs once to
+//! `CUBECL_DEBUG_LOG` names a file; with `update-checkpointed`, the 16 rows under activation
+//! checkpointing, each group's prompt held once and copied to each row), and a mixed-adapter forward of 32 x 64 rows over 1 and 8 adapters. Each workload runs once to
 //! compile its kernels, then once counted. Counts, not times: they are the same on any cubecl
 //! device, so a machine without a GPU counts them through wgpu on Mesa's lavapipe:
 //!
 //! ```bash
 //! apt-get install mesa-vulkan-drivers   # lavapipe, a Vulkan device on the CPU
-//! TROUPE_DEVICE=wgpu TROUPE_DTYPE=f32 cargo run --release --features wgpu --example kernel_counts [decode prefill train update update-iteration update-shapes mixed]
+//! TROUPE_DEVICE=wgpu TROUPE_DTYPE=f32 cargo run --release --features wgpu --example kernel_counts [decode prefill train update update-iteration update-shapes update-checkpointed mixed]
 //! ```
 //!
 //! (`TROUPE_DEVICE=cuda` and `--features cuda` on an NVIDIA GPU; `TROUPE_DTYPE` as for the
 //! benchmarks; `TROUPE_GPU_KERNELS=burn` counts burn's composites in place of troupe's GPU
 //! kernels; `TROUPE_WIDTH_STEP=1` pads batches only to their longest row, as the CPU does, in
-//! place of the GPU's multiple of 8 slots.)
+//! place of the GPU's multiple of 8 slots; `TROUPE_TRACE_KERNEL=NAME` prints where each launch of
+//! a kernel whose name holds NAME comes from, e.g. `CopyKernel` for the layout copies.)
 #![allow(missing_docs)]
 
 #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
@@ -56,6 +58,25 @@ mod counts {
     impl LaunchObserver for Count {
         fn launched(&self, kernel: &'static str) {
             *self.0.lock().unwrap().entry(kernel).or_default() += 1;
+            // `TROUPE_TRACE_KERNEL=NAME`: where each launch of a kernel whose name holds NAME
+            // comes from, one line a launch (its innermost eight frames with a source line, or
+            // within burn's autodiff and cubecl operations, which are built without one).
+            if let Ok(want) = std::env::var("TROUPE_TRACE_KERNEL") {
+                if kernel.contains(want.as_str()) {
+                    let trace = std::backtrace::Backtrace::force_capture().to_string();
+                    // A frame's name, or its file and line where it has one.
+                    let frames: Vec<&str> = trace
+                        .lines()
+                        .map(str::trim)
+                        .filter(|l| {
+                            l.contains("/src/") || l.contains("burn_autodiff::ops") || l.contains("burn_cubecl::ops")
+                        })
+                        .filter(|l| !l.contains("kernel_counts"))
+                        .take(8)
+                        .collect();
+                    println!("trace {} | {}", short(kernel), frames.join(" | "));
+                }
+            }
         }
     }
 
@@ -215,7 +236,7 @@ mod counts {
             step(false);
             step(true);
         }
-        if want("update") || want("update-iteration") || want("update-shapes") {
+        if want("update") || want("update-iteration") || want("update-shapes") || named("update-checkpointed") {
             // An iteration's update as the trainer runs it (`Scorer::gradients`): 16 reply rows in
             // one micro-batch (`runtime.micro_batch_rows`' default), two agents' adapters (r8 on
             // q,k,v,o), 2 groups x 2 agents x 4 replies after prompts that each group's replies
@@ -270,6 +291,31 @@ mod counts {
                 let batch = batch(&mut rng, 2, 96, 32);
                 pass(&batch);
                 report("update: one micro-batch of 16 rows, forward and backward", &pass(&batch), 1.0);
+            }
+            if named("update-checkpointed") {
+                // The same micro-batch under activation checkpointing, each group's prompt read
+                // in place by its rows (`shared`, a GPU's default) and copied to each (`copied`).
+                let batch = batch(&mut rng, 2, 96, 32);
+                let mut lm = model.lm.clone();
+                for cache in [PromptCache::Shared, PromptCache::Copied] {
+                    lm.set_prompt_cache(cache);
+                    let model = Model { lm: lm.clone(), ..model.clone() };
+                    let scorer = Scorer { model: &model, gradient_checkpointing: true, ..scorer };
+                    let pass = || {
+                        counted(|| {
+                            let pass = scorer.gradients(&batch, &objective, 0).unwrap();
+                            device.sync().unwrap();
+                            pass.loss
+                        })
+                        .1
+                    };
+                    pass();
+                    let label = format!(
+                        "update, checkpointed, prompt cache {}: one micro-batch of 16 rows, forward and backward",
+                        cache.name()
+                    );
+                    report(&label, &pass(), 1.0);
+                }
             }
             if want("update-iteration") {
                 // Twice the rows, in the trainer's batch order (group by group, each agent's

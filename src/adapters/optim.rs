@@ -251,11 +251,19 @@ pub type AdapterGrads = BTreeMap<Site, (Tensor<2>, Tensor<2>)>;
 /// Reads the gradients of a trainable adapter's leaves. `None` when none of its tensors took
 /// part in the loss (its agent had no rows).
 pub fn adapter_grads(trainable: &LoraAdapter, grads: &Gradients) -> Option<AdapterGrads> {
+    summed_adapter_grads(trainable, std::slice::from_ref(grads))
+}
+
+/// [`adapter_grads`] summed over several backward passes (activation checkpointing's, one a
+/// decoder layer, each reaching only that layer's factors): a factor's gradients are added
+/// where a pass holds one, and a factor no pass reaches is zero, filled once. `None` when no
+/// pass reaches any of the adapter's tensors.
+pub fn summed_adapter_grads(trainable: &LoraAdapter, sets: &[Gradients]) -> Option<AdapterGrads> {
+    let sum = |t: &Tensor<2>| sets.iter().filter_map(|grads| t.grad(grads)).reduce(|acc, g| acc + g);
     let mut out = BTreeMap::new();
     let mut any = false;
     for (site, pair) in &trainable.pairs {
-        let ga = pair.a.grad(grads);
-        let gb = pair.b.grad(grads);
+        let (ga, gb) = (sum(&pair.a), sum(&pair.b));
         any |= ga.is_some() || gb.is_some();
         let zeros = |t: &Tensor<2>| Tensor::zeros(t.dims(), &t.device()).without_autodiff();
         out.insert(*site, (ga.unwrap_or_else(|| zeros(&pair.a)), gb.unwrap_or_else(|| zeros(&pair.b))));
@@ -484,5 +492,51 @@ mod tests {
         for (got, want) in norms.iter().zip([by_hand(&g1), by_hand(&g2)]) {
             assert!((got - want).abs() <= 1e-5 * want, "{got} vs {want}");
         }
+    }
+
+    #[test]
+    fn several_passes_gradients_sum_per_factor_and_are_zero_where_none_reaches() {
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        let sites = sites();
+        let mut trainable = adapter(&mut rng, &sites);
+        for pair in trainable.pairs.values_mut() {
+            pair.a = pair.a.clone().autodiff().require_grad();
+            pair.b = pair.b.clone().autodiff().require_grad();
+        }
+        let w = grads(&mut rng, &sites);
+        let (s0, s1, s2) = (sites[0].0, sites[1].0, sites[2].0);
+        let p = &trainable.pairs;
+        let weighted = |t: &Tensor<2>, w: &Tensor<2>| (t.clone() * w.clone().autodiff()).sum();
+        // A pass reaching none of the adapter's factors.
+        let elsewhere =
+            || (Tensor::<2>::ones([2, 2], &Device::flex()).autodiff().require_grad() * 3.0).sum().backward();
+        let passes = [
+            weighted(&p[&s0].a, &w[&s0].0).backward(),
+            elsewhere(),
+            (weighted(&p[&s0].b, &w[&s0].1) + weighted(&p[&s1].a, &w[&s1].0)).backward(),
+            (weighted(&p[&s0].a, &w[&s0].0) * 2.0).backward(),
+        ];
+        let summed = summed_adapter_grads(&trainable, &passes).expect("some pass reaches the adapter");
+        let values = |t: &Tensor<2>| t.to_data().try_to_vec::<f32>().unwrap();
+        let close = |got: &Tensor<2>, want: Vec<f32>, what: &str| {
+            let got = values(got);
+            assert_eq!(got.len(), want.len(), "{what}");
+            assert!(got.iter().zip(&want).all(|(g, w)| (g - w).abs() <= 1e-6), "{what}: {got:?} vs {want:?}");
+        };
+        close(&summed[&s0].0, values(&w[&s0].0).iter().map(|v| 3.0 * v).collect(), "A of the first site, twice");
+        close(&summed[&s0].1, values(&w[&s0].1), "B of the first site");
+        close(&summed[&s1].0, values(&w[&s1].0), "A of the second site");
+        for (t, what) in [
+            (&summed[&s1].1, "B of the second site"),
+            (&summed[&s2].0, "A of the third"),
+            (&summed[&s2].1, "B of the third"),
+        ] {
+            close(t, vec![0.0; t.dims().iter().product()], what);
+        }
+        // One pass alone is what `adapter_grads` reads; none reaching the adapter gives nothing.
+        let once = adapter_grads(&trainable, &passes[2]).unwrap();
+        assert_eq!(values(&once[&s1].0), values(&w[&s1].0));
+        assert!(summed_adapter_grads(&trainable, &[elsewhere()]).is_none());
+        assert!(summed_adapter_grads(&trainable, &[]).is_none());
     }
 }

@@ -14,9 +14,10 @@ use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
-use crate::model::checkpoint::{Checkpointed, Stream};
+use crate::model::checkpoint::{Checkpointed, Continues, Stream};
 use crate::model::fused::token_logprob::log_sum_exp;
 use crate::model::head::head_logprobs;
+use crate::model::prompt_cache::GroupLayout;
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
 pub use constrained::{NodeId, TokenTrie, TrieStep};
 use prefix::SharedPrefixes;
@@ -559,6 +560,11 @@ pub fn checkpointed_completion_loss(
         let suffixes: Vec<&[u32]> = row_tokens.iter().zip(from).map(|(row, &f)| &row[f - 1..]).collect();
         let (suffix_tokens, suffix_valid) = right_pad(lm, &suffixes, 0);
         let attention = layout.step(&suffix_valid, &device);
+        let continues = if lm.shares_prompts() {
+            Continues::Shared(GroupLayout::new(&share.group_of_row, share.unique.len(), &device)?)
+        } else {
+            Continues::Copied(share.row_index(&device))
+        };
         let streams = [
             Stream {
                 tokens: lm.token_tensor(&prefix_tokens)?,
@@ -571,7 +577,7 @@ pub fn checkpointed_completion_loss(
                 tokens: lm.token_tensor(&suffix_tokens)?,
                 layout: &attention,
                 delta,
-                after: Some((0, share.row_index(&device))),
+                after: Some((0, continues)),
                 output: true,
             },
         ];

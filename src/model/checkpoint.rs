@@ -12,8 +12,9 @@
 //! the layers. The frozen embedding needs no gradient, so the first layer's input is not one.
 //!
 //! A forward may run in [`Stream`]s where a later stream attends after an earlier one's keys and
-//! values (a prompt computed once and shared by the rows that continue it,
-//! [`crate::model::KvCache::select_rows`]): each layer is then recomputed for every stream
+//! values (a prompt computed once and shared by the rows that continue it, copied to each of
+//! them, [`crate::model::KvCache::select_rows`], or read in place by each group's rows,
+//! [`crate::model::KvCache::sharing_prompts`]): each layer is then recomputed for every stream
 //! together, the earlier stream's keys and values feeding the later one's attention, as in the
 //! forward. Adapter dropout draws the same masks in the recomputation (the delta's random
 //! stream is rewound to where each layer's forward found it).
@@ -22,6 +23,7 @@ use burn::tensor::Gradients;
 use burn::tensor::{Int, Tensor};
 
 use super::layers::ProjectionDelta;
+use super::prompt_cache::GroupLayout;
 use super::transformer::{AttentionLayout, CausalLm, ForwardArgs, KvCache};
 use crate::error::{Result, TroupeError};
 
@@ -33,12 +35,22 @@ pub struct Stream<'a> {
     pub layout: &'a AttentionLayout,
     /// The adapters' deltas, if any.
     pub delta: Option<&'a dyn ProjectionDelta>,
-    /// `Some((s, rows))`: this stream's row `i` continues row `rows[i]` of the earlier stream
-    /// `s`, attending after its keys and values at every layer.
-    pub after: Option<(usize, Tensor<1, Int>)>,
+    /// `Some((s, how))`: this stream's rows continue rows of the earlier stream `s`, attending
+    /// after their keys and values at every layer.
+    pub after: Option<(usize, Continues)>,
     /// Whether the stream's final hidden states are read; `false` for a stream run only for
     /// its keys and values (its last layer then computes those alone).
     pub output: bool,
+}
+
+/// Which rows of an earlier [`Stream`] a later one's rows continue, and how they read them.
+#[allow(clippy::large_enum_variant)] // one a stream, made once a micro-batch
+pub enum Continues {
+    /// Row `i` continues row `rows[i]` (`[rows]`), on a copy of its keys and values.
+    Copied(Tensor<1, Int>),
+    /// Each row continues its group's row, read in place ([`KvCache::sharing_prompts`]; a
+    /// group's prompt held once).
+    Shared(GroupLayout),
 }
 
 /// What a checkpointed forward and backward produced.
@@ -174,10 +186,13 @@ impl CausalLm {
             };
             let read_later = streams[s + 1..].iter().any(|t| t.after.as_ref().is_some_and(|(e, _)| *e == s));
             let mut cache = match &stream.after {
-                Some((earlier, rows)) => caches[*earlier].clone().map(|mut c| {
+                Some((earlier, Continues::Copied(rows))) => caches[*earlier].clone().map(|mut c| {
                     c.select_rows(rows);
                     c
                 }),
+                Some((earlier, Continues::Shared(groups))) => {
+                    caches[*earlier].clone().map(|c| KvCache::sharing_layers_of(c, groups.clone()))
+                }
                 None => read_later.then(|| KvCache::new(self.layers.len())),
             };
             let rope = (&ropes[s].0, &ropes[s].1);

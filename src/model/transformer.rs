@@ -152,7 +152,7 @@ impl KvCache {
     /// cache that appends ([`KvCache::new`]) keeps its keys' type.
     pub fn holding(mut self, dtype: Option<DType>) -> Self {
         if let (Some(dtype), Some(prompt)) = (dtype, self.prompt.as_mut()) {
-            for (keys, values) in &mut prompt.layers {
+            for (keys, values) in prompt.layers.iter_mut().flatten() {
                 if keys.dtype() != dtype {
                     *keys = keys.clone().cast(dtype);
                     *values = values.clone().cast(dtype);
@@ -182,22 +182,32 @@ impl KvCache {
         capacity: Option<usize>,
         device: &Device,
     ) -> Result<Self> {
-        let slots = prompts.len();
-        let layers = prompts
-            .layers
-            .into_iter()
-            .map(|layer| {
-                let (keys, values) = layer.ok_or_else(|| TroupeError::invalid("prompts", "a layer holds no prompt"))?;
-                Ok((keys.narrow(2, 0, slots), values.narrow(2, 0, slots)))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let groups = GroupLayout::new(group_of_row, layers.first().map_or(0, |(k, _)| k.dims()[0]), device)?;
-        let num_layers = layers.len();
+        if prompts.layers.iter().any(Option::is_none) {
+            return Err(TroupeError::invalid("prompts", "a layer holds no prompt"));
+        }
+        let groups = prompts.layers.first().and_then(|l| l.as_ref()).map_or(0, |(k, _)| k.dims()[0]);
+        let groups = GroupLayout::new(group_of_row, groups, device)?;
         let own = match capacity {
-            Some(capacity) => Self::with_capacity(num_layers, capacity),
-            None => Self::new(num_layers),
+            Some(capacity) => Self::with_capacity(prompts.layers.len(), capacity),
+            None => Self::new(prompts.layers.len()),
         };
-        Ok(Self { prompt: Some(SharedPrompt { layers, groups }), ..own })
+        Ok(Self { prompt: Some(Self::shared(prompts, groups)), ..own })
+    }
+
+    /// A cache whose rows read, at the layers `prompts` holds, its rows in place as
+    /// [`KvCache::sharing_prompts`] does, each row's group given by `groups`: one layer
+    /// recomputed alone under activation checkpointing ([`super::checkpoint`]), where the other
+    /// layers are not run.
+    pub(crate) fn sharing_layers_of(prompts: KvCache, groups: GroupLayout) -> Self {
+        let num_layers = prompts.layers.len();
+        Self { prompt: Some(Self::shared(prompts, groups)), ..Self::new(num_layers) }
+    }
+
+    /// The slots `prompts` holds as a shared prompt read by `groups`' rows.
+    fn shared(prompts: KvCache, groups: GroupLayout) -> SharedPrompt {
+        let layers = prompts.layers.into_iter().zip(prompts.filled);
+        let layers = layers.map(|(l, slots)| l.map(|(k, v)| (k.narrow(2, 0, slots), v.narrow(2, 0, slots))));
+        SharedPrompt { layers: layers.collect(), groups }
     }
 
     /// Number of cached slots per row (a shared prompt's included).
@@ -220,7 +230,7 @@ impl KvCache {
     /// [`KvCache::sharing_prompts`].
     fn shared_prompt(&self, layer: usize) -> Option<((Tensor<4>, Tensor<4>), &GroupLayout)> {
         let prompt = self.prompt.as_ref()?;
-        Some((prompt.layers[layer].clone(), &prompt.groups))
+        Some((prompt.layers[layer].clone()?, &prompt.groups))
     }
 
     /// A layer's own slots: [`KvCache::keys_after`] for `layer`, without a shared prompt.

@@ -11,7 +11,7 @@ use burn::tensor::{Gradients, Tensor, TensorData};
 use super::credit::batch::{TrainBatch, TrainRow};
 use super::flops::FlopModel;
 use super::objective::{LossStats, Objective, RowTerms};
-use crate::adapters::optim::{adapter_grads, zero_grads, AdapterGrads};
+use crate::adapters::optim::{summed_adapter_grads, zero_grads, AdapterGrads};
 use crate::adapters::{AdapterMode, LoraAdapter, MultiAdapterManager};
 use crate::error::{Result, RunError, TroupeError};
 use crate::generate::choice::{
@@ -435,7 +435,7 @@ fn accumulate(
     let backward_started = Instant::now();
     check_finite(value)?;
     pass.loss += f64::from(value);
-    add_grads(pass, &loss.backward(), used);
+    add_grads(pass, std::slice::from_ref(&loss.backward()), used);
     profile::since(Phase::Backward, backward_started);
     Ok(())
 }
@@ -451,9 +451,7 @@ fn accumulate_checkpointed(
     profile::since(Phase::Backward, started);
     check_finite(run.loss)?;
     pass.loss += f64::from(run.loss);
-    for grads in &run.grads {
-        add_grads(pass, grads, used);
-    }
+    add_grads(pass, &run.grads, used);
     Ok(())
 }
 
@@ -467,10 +465,11 @@ fn check_finite(value: f32) -> Result<()> {
     Ok(())
 }
 
-/// Adds the adapters' gradients in `backward` to `pass`'s sums.
-fn add_grads(pass: &mut GradientPass, backward: &Gradients, used: &BTreeMap<String, LoraAdapter>) {
+/// Adds the adapters' gradients in `backward` (one set a backward pass run, summed) to `pass`'s
+/// sums.
+fn add_grads(pass: &mut GradientPass, backward: &[Gradients], used: &BTreeMap<String, LoraAdapter>) {
     for (name, adapter) in used {
-        if let Some(g) = adapter_grads(adapter, backward) {
+        if let Some(g) = summed_adapter_grads(adapter, backward) {
             let summed = match pass.grads.remove(name) {
                 None => g,
                 Some(acc) => acc
@@ -487,7 +486,7 @@ fn add_grads(pass: &mut GradientPass, backward: &Gradients, used: &BTreeMap<Stri
 mod tests {
     use super::*;
     use crate::adapters::{AdamWConfig, AdamWState, AdapterConfig};
-    use crate::model::{Model, Preset};
+    use crate::model::{Model, Preset, PromptCache};
     use crate::rl::objective::{KlEstimator, KlPenalty, ObjectiveConfig, ObjectiveKind};
     use crate::rl::trainer::tests::flat;
     use burn::tensor::Device;
@@ -723,8 +722,10 @@ mod tests {
 
     #[test]
     fn gradient_checkpointing_gives_the_loss_and_gradients_of_a_plain_backward() {
-        for dropout in [0.0, 0.2] {
-            let (model, manager) = setup(dropout);
+        // With a group's prompt copied to its rows and held once (the mixed batch's groups).
+        for (dropout, prompts) in [(0.0, PromptCache::Copied), (0.2, PromptCache::Copied), (0.2, PromptCache::Shared)] {
+            let (mut model, manager) = setup(dropout);
+            model.lm.set_prompt_cache(prompts);
             for batch in [batch(&model, [1.0, -0.5, 0.25, 2.0, -1.0, 0.5]), mixed_batch(&model)] {
                 for (kind, kl) in
                     [(ObjectiveKind::Magrpo, 0.0), (ObjectiveKind::Clipped, 0.0), (ObjectiveKind::Magrpo, 0.1)]
@@ -738,7 +739,7 @@ mod tests {
                     let checkpointed = Scorer { gradient_checkpointing: true, ..scorer(&model, &manager, false) }
                         .gradients(&batch, &objective, 5)
                         .unwrap();
-                    let case = format!("dropout {dropout}, {kind:?}, kl {kl}");
+                    let case = format!("dropout {dropout}, {prompts:?}, {kind:?}, kl {kl}");
                     assert!(
                         (plain.loss - checkpointed.loss).abs() <= 1e-5 * plain.loss.abs().max(1.0),
                         "{case}: loss {} vs {}",

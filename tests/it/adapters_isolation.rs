@@ -328,6 +328,7 @@ fn the_updates_gradient_pass_on_the_test_device_matches_the_cpus() {
         (true, PromptCache::Auto),
         (false, PromptCache::Shared),
         (false, PromptCache::Copied),
+        (true, PromptCache::Copied),
     ];
     for (checkpointing, cache) in cases {
         let got = pass(&common::test_device(), checkpointing, cache);

@@ -15,7 +15,8 @@
 //!
 //! The update scores a group's replies the same way: its prompt runs once and every reply
 //! attends to it in place, under autodiff one node ([`tracked`]) that keeps no probabilities and
-//! no per-row copy of the prompt, and recomputes the scores in its backward.
+//! no per-row copy of the prompt, and recomputes the scores in its backward. Under activation
+//! checkpointing ([`super::checkpoint`]) each recomputed layer reads its prompt in place too.
 
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
@@ -201,8 +202,9 @@ impl GroupLayout {
 /// The prompts of a shared cache: per layer, each group's keys and values once.
 #[derive(Clone, Debug)]
 pub struct SharedPrompt {
-    /// Per layer: keys and values, each `[groups, kv_heads, prompt, head_dim]`.
-    pub layers: Vec<(Tensor<4>, Tensor<4>)>,
+    /// Per layer: keys and values, each `[groups, kv_heads, prompt, head_dim]` (`None` at a
+    /// layer not run, when one layer is recomputed alone under activation checkpointing).
+    pub layers: Vec<Option<(Tensor<4>, Tensor<4>)>>,
     /// Which rows read which group's prompt.
     pub groups: GroupLayout,
 }
@@ -210,7 +212,7 @@ pub struct SharedPrompt {
 impl SharedPrompt {
     /// Prompt slots per row.
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |(k, _)| k.dims()[2])
+        self.layers.iter().flatten().next().map_or(0, |(k, _)| k.dims()[2])
     }
 
     /// Whether no slot is held.
