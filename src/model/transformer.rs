@@ -271,33 +271,50 @@ impl KvCache {
     /// Appends this call's keys and values for `layer` and returns what attention reads: the
     /// full sequence's, or a reserved cache's whole room.
     fn append(&mut self, layer: usize, keys: Tensor<4>, values: Tensor<4>) -> (Tensor<4>, Tensor<4>) {
-        let keys_len = keys.dims()[2];
-        let merged = match self.capacity {
-            None => match self.layers[layer].take() {
-                Some((past_k, past_v)) => (Tensor::cat(vec![past_k, keys], 2), Tensor::cat(vec![past_v, values], 2)),
-                None => (keys, values),
-            },
-            Some(_) => {
-                let [batch, heads, seq, dim] = keys.dims();
-                let (start, room) = (self.filled[layer], self.slots_after(layer, seq));
-                let device = keys.device();
-                let dtype = self.dtype.unwrap_or(keys.dtype());
-                let reserve = |past: Option<Tensor<4>>| -> Tensor<4> {
-                    match past {
-                        Some(past) if past.dims()[2] == room => past,
-                        Some(past) => {
-                            let fresh = Tensor::zeros([batch, heads, room - start, dim], (&device, dtype));
-                            Tensor::cat(vec![past.narrow(2, 0, start), fresh], 2)
-                        }
-                        None => Tensor::zeros([batch, heads, room, dim], (&device, dtype)),
-                    }
-                };
-                let (past_k, past_v) = self.layers[layer].take().unzip();
-                // The past buffers are held only here, so the writes happen in place.
-                write_room((reserve(past_k), reserve(past_v)), keys, values, start)
+        let [batch, heads, seq, dim] = keys.dims();
+        if let Some((rooms, start)) = self.take_room(layer, [batch, heads, seq, dim], &keys.device(), keys.dtype()) {
+            return self.keep_room(layer, seq, write_room(rooms, keys, values, start));
+        }
+        let merged = match self.layers[layer].take() {
+            Some((past_k, past_v)) => (Tensor::cat(vec![past_k, keys], 2), Tensor::cat(vec![past_v, values], 2)),
+            None => (keys, values),
+        };
+        self.keep_room(layer, seq, merged)
+    }
+
+    /// A reserved cache's rooms for `layer` (keys', values'), made or grown to take `seq` more
+    /// slots of `[batch, heads, _, head_dim]`, and the slot the new ones start at; the rooms are
+    /// taken out of the cache, so that a kernel may write them in place, until
+    /// [`KvCache::keep_room`] puts them back. `None`, with nothing taken, for a cache that
+    /// appends. A room is made in the cache's type ([`KvCache::holding`]), else in `dtype`.
+    fn take_room(
+        &mut self,
+        layer: usize,
+        [batch, heads, seq, dim]: [usize; 4],
+        device: &Device,
+        dtype: DType,
+    ) -> Option<((Tensor<4>, Tensor<4>), usize)> {
+        self.capacity?;
+        let (start, room) = (self.filled[layer], self.slots_after(layer, seq));
+        let dtype = self.dtype.unwrap_or(dtype);
+        let reserve = |past: Option<Tensor<4>>| -> Tensor<4> {
+            match past {
+                Some(past) if past.dims()[2] == room => past,
+                Some(past) => {
+                    let fresh = Tensor::zeros([batch, heads, room - start, dim], (device, dtype));
+                    Tensor::cat(vec![past.narrow(2, 0, start), fresh], 2)
+                }
+                None => Tensor::zeros([batch, heads, room, dim], (device, dtype)),
             }
         };
-        self.filled[layer] += keys_len;
+        let (past_k, past_v) = self.layers[layer].take().unzip();
+        Some(((reserve(past_k), reserve(past_v)), start))
+    }
+
+    /// Holds `merged` as `layer`'s keys and values after `seq` more slots were written (by
+    /// [`KvCache::take_room`]'s caller, or appended), and returns them: what attention reads.
+    fn keep_room(&mut self, layer: usize, seq: usize, merged: (Tensor<4>, Tensor<4>)) -> (Tensor<4>, Tensor<4>) {
+        self.filled[layer] += seq;
         self.layers[layer] = Some(merged.clone());
         merged
     }
@@ -634,9 +651,74 @@ impl Attention {
     /// `x`: `[batch, seq, hidden]`
     fn fill_cache(&self, x: Rounded, layer: usize, rope: (&Tensor<4>, &Tensor<4>), args: &mut ForwardArgs<'_>) {
         let (_, k, v) = self.project_qkv(x, layer, args.delta);
-        let k = Self::rotated_heads(k, &self.k_norm, rope);
         if let Some(cache) = args.cache.as_deref_mut() {
-            cache.append(layer, k, v);
+            self.rotate_and_append(cache, layer, None, k, v, rope);
+        }
+    }
+
+    /// The queries (when given) as rotated heads, and the keys rotated and the values appended
+    /// to `cache`: the rotated queries and what attention reads of the cache
+    /// ([`KvCache::append`]). On a GPU without gradients, into a reserved cache, one kernel
+    /// rotates both and writes the cache's room ([`super::fused::gpu::rope_into_room`]).
+    ///
+    /// # Shapes
+    /// `q`: `[batch, seq, heads, head_dim]`, `k`: `[batch, seq, kv_heads, head_dim]`, `v`:
+    /// `[batch, kv_heads, seq, head_dim]` -> `[batch, heads, seq, head_dim]` and the layer's
+    /// cached `[batch, kv_heads, slots, head_dim]` keys and values
+    #[allow(clippy::type_complexity)]
+    fn rotate_and_append(
+        &self,
+        cache: &mut KvCache,
+        layer: usize,
+        q: Option<Tensor<4>>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        rope: (&Tensor<4>, &Tensor<4>),
+    ) -> (Option<Tensor<4>>, (Tensor<4>, Tensor<4>)) {
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if let Some(done) = self.rotate_into_room(cache, layer, q.as_ref(), &k, &v, rope) {
+            return done;
+        }
+        let (q, k) = match q {
+            Some(q) => {
+                let (q, k) = self.rotated_queries_and_keys(q, k, rope);
+                (Some(q), k)
+            }
+            None => (None, Self::rotated_heads(k, &self.k_norm, rope)),
+        };
+        (q, cache.append(layer, k, v))
+    }
+
+    /// [`Attention::rotate_and_append`] as one kernel into a reserved cache's room; `None`, the
+    /// cache as it was, where the kernel does not take the tensors (or the cache appends).
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    #[allow(clippy::type_complexity)]
+    fn rotate_into_room(
+        &self,
+        cache: &mut KvCache,
+        layer: usize,
+        q: Option<&Tensor<4>>,
+        k: &Tensor<4>,
+        v: &Tensor<4>,
+        rope: (&Tensor<4>, &Tensor<4>),
+    ) -> Option<(Option<Tensor<4>>, (Tensor<4>, Tensor<4>))> {
+        let norms = match (&self.q_norm, &self.k_norm) {
+            (Some(qn), Some(kn)) if qn.eps == kn.eps => Some((&qn.weight, &kn.weight, qn.eps)),
+            (None, None) => None,
+            _ => return None,
+        };
+        if !super::fused::gpu::takes(k) {
+            return None;
+        }
+        let [batch, seq, kv_heads, dim] = k.dims();
+        let (rooms, start) = cache.take_room(layer, [batch, kv_heads, seq, dim], &k.device(), k.dtype())?;
+        match super::fused::gpu::rope_into_room((q, k, v), norms, rope, rooms, start) {
+            Ok((q, rooms)) => Some((q, cache.keep_room(layer, seq, rooms))),
+            Err(rooms) => {
+                // Made or grown for these slots, none of them written yet.
+                cache.layers[layer] = Some(rooms);
+                None
+            }
         }
     }
 
@@ -654,19 +736,22 @@ impl Attention {
     ) -> (Tensor<3>, Option<Tensor<3>>) {
         let [batch, seq, _] = x.0.dims();
         let (q, k, v) = self.project_qkv(x, layer, args.delta);
-        let (q, k) = self.rotated_queries_and_keys(q, k, rope);
         let mask = &args.layout.mask;
         // A decoding step's kernel on a GPU also writes its output rounded for o's product.
         let round = self.o_proj.input_rounding();
         let (out, rounded) = match args.cache.as_deref_mut() {
             Some(cache) => {
-                let (k, v) = cache.append(layer, k, v);
+                let (q, (k, v)) = self.rotate_and_append(cache, layer, Some(q), k, v, rope);
+                let q = q.expect("queries given");
                 match cache.shared_prompt(layer) {
                     Some((prompt, groups)) => prompt_cache::attend_rounded(q, prompt, groups, (k, v), mask, round),
                     None => attention_rounded(q, k, v, mask, &args.layout.host_mask, self.kernel, round),
                 }
             }
-            None => attention_rounded(q, k, v, mask, &args.layout.host_mask, self.kernel, round),
+            None => {
+                let (q, k) = self.rotated_queries_and_keys(q, k, rope);
+                attention_rounded(q, k, v, mask, &args.layout.host_mask, self.kernel, round)
+            }
         };
         let merged = |t: Tensor<4>| t.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
         project_apart(&self.o_proj, (merged(out), rounded.map(merged)), layer, Projection::O, args.delta)

@@ -1163,6 +1163,110 @@ fn a_reserved_caches_one_kernel_write_equals_burns_slice_writes_on_the_test_devi
     }
 }
 
+/// One kernel rotating a layer's queries and keys (Qwen3's per-head norms first, or the rotation
+/// alone) and writing the keys and values into a reserved cache's rooms gives what the kernels
+/// apart give, on the device of `TROUPE_TEST_DEVICE` (nothing to check on the CPU): with the
+/// norms, the queries and the rooms bit for bit those of the pair's kernel and the cache's
+/// write; without, within 1e-6 of the rotation's kernel (whose product and sum a compiler may
+/// contract differently), the values bit for bit; rooms in f32 and in half precision, the
+/// queries, keys and values strided as the q/k/v product's views give them, at a decoding step
+/// and over several slots, with and without queries. Rooms another tensor holds are refused,
+/// nothing written.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[test]
+fn one_kernel_rotating_into_a_reserved_cache_equals_the_kernels_apart_on_the_test_device() {
+    use burn::tensor::DType;
+    use troupe::model::fused::gpu::{cache_write, rms_norm_rope_pair, rope_into_room};
+
+    let device = crate::common::test_device();
+    if device == Device::flex() {
+        return;
+    }
+    let half = if troupe::device::is_cuda(&device) { DType::BF16 } else { DType::F16 };
+    let mut rng = ChaCha8Rng::seed_from_u64(19);
+    let bits = |t: Tensor<4>| t.into_data().as_bytes().to_vec();
+    let values_of = |t: Tensor<4>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    // (batch, seq, heads, kv heads, head dim, room, first new slot)
+    for (batch, seq, heads, kv_heads, dim, room, start) in
+        [(16, 1, 4, 2, 128, 40, 17), (3, 5, 4, 2, 8, 12, 6), (2, 4, 2, 1, 4, 4, 0)]
+    {
+        let case = format!("{batch} x {seq} of {room} slots from {start}, {heads}/{kv_heads} heads x {dim}");
+        // The parts as views of the stacked q/k/v product `[batch, seq, heads + 2 kv_heads, dim]`.
+        let width = heads + 2 * kv_heads;
+        let stacked = random(&mut rng, [batch * seq * width, dim], 2.0, &device).reshape([batch, seq, width, dim]);
+        let q = stacked.clone().narrow(2, 0, heads);
+        let k = stacked.clone().narrow(2, heads, kv_heads);
+        let v = stacked.narrow(2, heads + kv_heads, kv_heads).swap_dims(1, 2);
+        let table = |rng: &mut ChaCha8Rng| random(rng, [batch * seq, dim], 1.0, &device).reshape([batch, 1, seq, dim]);
+        let (cos, sin) = (table(&mut rng), table(&mut rng));
+        let weight = |rng: &mut ChaCha8Rng| random(rng, [1, dim], 1.5, &device).reshape([dim]);
+        let (q_weight, k_weight) = (weight(&mut rng), weight(&mut rng));
+        let room_data = |rng: &mut ChaCha8Rng| random(rng, [batch * kv_heads * room, dim], 2.0, &device).into_data();
+        let (key_room, value_room) = (room_data(&mut rng), room_data(&mut rng));
+        for (normed, dtype, with_q) in [
+            (true, DType::F32, true),
+            (true, half, true),
+            (false, DType::F32, true),
+            (false, half, true),
+            (true, half, false),
+        ] {
+            let case = format!("{case}, normed {normed}, {dtype:?}, queries {with_q}");
+            let room = |data: &TensorData| {
+                Tensor::<2>::from_data(data.clone(), &device).reshape([batch, kv_heads, room, dim]).cast(dtype)
+            };
+            let (want_q, want_k) = if normed {
+                rms_norm_rope_pair((&q, &q_weight), (&k, &k_weight), 1e-6, &cos, &sin).expect("the pair's kernel")
+            } else {
+                (rope(q.clone().swap_dims(1, 2), &cos, &sin), rope(k.clone().swap_dims(1, 2), &cos, &sin))
+            };
+            let (want_rooms_k, want_rooms_v) =
+                cache_write((room(&key_room), room(&value_room)), &want_k, &v, start).expect("the cache's write");
+            let norms = normed.then_some((&q_weight, &k_weight, 1e-6));
+            let got = rope_into_room(
+                (with_q.then_some(&q), &k, &v),
+                norms,
+                (&cos, &sin),
+                (room(&key_room), room(&value_room)),
+                start,
+            );
+            let Ok((got_q, (got_k, got_v))) = got else {
+                panic!("{case}: the kernel takes rooms nothing else holds");
+            };
+            assert_eq!((got_k.dtype(), got_v.dtype()), (dtype, dtype), "{case}");
+            assert_eq!(got_q.is_some(), with_q, "{case}");
+            assert_eq!(bits(got_v), bits(want_rooms_v), "{case}: values");
+            if normed {
+                if let Some(got_q) = got_q {
+                    assert_eq!(bits(got_q), bits(want_q), "{case}: queries");
+                }
+                assert_eq!(bits(got_k), bits(want_rooms_k), "{case}: keys");
+            } else {
+                let close = |got: Vec<f32>, want: Vec<f32>, what: &str| {
+                    let worst =
+                        got.iter().zip(&want).map(|(g, w)| (g - w).abs() / w.abs().max(1.0)).fold(0.0, f32::max);
+                    assert!(worst <= 1e-6, "{case}: {what} off by {worst}");
+                };
+                if let Some(got_q) = got_q {
+                    close(values_of(got_q), values_of(want_q), "queries");
+                }
+                // A key rounded to half precision may round the other way after a contracted sum.
+                let tolerance_room = if dtype == DType::F32 { 1e-6 } else { 1e-2 };
+                let worst = values_of(got_k)
+                    .iter()
+                    .zip(&values_of(want_rooms_k))
+                    .map(|(g, w)| (g - w).abs() / w.abs().max(1.0))
+                    .fold(0.0, f32::max);
+                assert!(worst <= tolerance_room, "{case}: keys off by {worst}");
+            }
+        }
+        let held = Tensor::<2>::from_data(key_room, &device).reshape([batch, kv_heads, room, dim]);
+        let other = Tensor::<2>::from_data(value_room, &device).reshape([batch, kv_heads, room, dim]);
+        let refused = rope_into_room((Some(&q), &k, &v), None, (&cos, &sin), (held.clone(), other), start);
+        let (back_k, _) = refused.expect_err("rooms another tensor holds are not written in place");
+        assert_eq!(bits(back_k), bits(held), "{case}: a refused room is unchanged");
+    }
+}
+
 /// Every routine `TROUPE_MATMUL` can name either computes a frozen product as an f64 sum of its
 /// rounded operands does, or refuses it before writing anything, on the device of
 /// `TROUPE_TEST_DEVICE` (nothing to check on the CPU, whose products are troupe's own): `x W^T`

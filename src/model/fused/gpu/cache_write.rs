@@ -73,25 +73,10 @@ pub fn cache_write(
     start: usize,
 ) -> Result<(Tensor<4>, Tensor<4>), (Tensor<4>, Tensor<4>)> {
     let [batch, heads, seq, dim] = keys.dims();
-    let [room_batch, room_heads, room, room_dim] = rooms.0.dims();
-    let fits = values.dims() == keys.dims()
-        && rooms.1.dims() == rooms.0.dims()
-        && [room_batch, room_heads, room_dim] == [batch, heads, dim]
-        && start + seq <= room
-        && rooms.0.dtype() == rooms.1.dtype()
-        && rooms.0.dtype().is_float();
-    // Plain rooms on the keys' device, which `takes` finds a cubecl device.
-    let beside = |t: &Tensor<4>| !t.is_autodiff() && t.device() == keys.device();
-    if !(fits && super::takes(keys) && super::takes(values) && beside(&rooms.0) && beside(&rooms.1)) {
+    if !(values.dims() == keys.dims() && super::takes(keys) && super::takes(values)) {
         return Err(rooms);
     }
-    let primitive = |t: Tensor<4>| t.try_into_primitive::<Cube>().expect("a plain tensor on a cubecl device");
-    let (key_room, value_room) = (primitive(rooms.0), primitive(rooms.1));
-    let writable = |p: &Primitive| !p.meta.is_tiled() && p.can_mut() && p.is_nonoverlapping();
-    if !(writable(&key_room) && writable(&value_room)) {
-        let back = |p: Primitive| Tensor::<4>::from_primitive::<Cube>(p);
-        return Err((back(key_room), back(value_room)));
-    }
+    let (key_room, value_room) = writable_rooms(rooms, [batch, heads, seq, dim], start, keys)?;
     let cube = |t: &Tensor<4>| untile(t.clone().try_into_primitive::<Cube>().expect("checked by `takes`"));
     let (kp, vp) = (cube(keys), cube(values));
     let count = batch * heads * seq * dim;
@@ -111,4 +96,37 @@ pub fn cache_write(
         );
     }
     Ok((Tensor::from_primitive::<Cube>(key_room), Tensor::from_primitive::<Cube>(value_room)))
+}
+
+/// `rooms` (keys', values') as primitives a kernel may write in place, for `[batch, heads, seq,
+/// head_dim]` new slots from `start`: plain rooms of one float type on `like`'s device (a
+/// cubecl device, which the caller checks), `[batch, heads, room, head_dim]` with `start + seq
+/// <= room`, untiled, not overlapping, and held nowhere else (as a reserved cache holds its
+/// rooms while it writes them). Otherwise the rooms come back as they were, as `Err`. `like`
+/// is a tensor [`super::takes`] takes.
+#[allow(clippy::result_large_err)]
+pub(super) fn writable_rooms(
+    rooms: (Tensor<4>, Tensor<4>),
+    [batch, heads, seq, dim]: [usize; 4],
+    start: usize,
+    like: &Tensor<4>,
+) -> Result<(Primitive, Primitive), (Tensor<4>, Tensor<4>)> {
+    let [room_batch, room_heads, room, room_dim] = rooms.0.dims();
+    let fits = rooms.1.dims() == rooms.0.dims()
+        && [room_batch, room_heads, room_dim] == [batch, heads, dim]
+        && start + seq <= room
+        && rooms.0.dtype() == rooms.1.dtype()
+        && rooms.0.dtype().is_float();
+    let beside = |t: &Tensor<4>| !t.is_autodiff() && t.device() == like.device();
+    if !(fits && beside(&rooms.0) && beside(&rooms.1)) {
+        return Err(rooms);
+    }
+    let primitive = |t: Tensor<4>| t.try_into_primitive::<Cube>().expect("a plain tensor on a cubecl device");
+    let (key_room, value_room) = (primitive(rooms.0), primitive(rooms.1));
+    let writable = |p: &Primitive| !p.meta.is_tiled() && p.can_mut() && p.is_nonoverlapping();
+    if !(writable(&key_room) && writable(&value_room)) {
+        let back = |p: Primitive| Tensor::<4>::from_primitive::<Cube>(p);
+        return Err((back(key_room), back(value_room)));
+    }
+    Ok((key_room, value_room))
 }

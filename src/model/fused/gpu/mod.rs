@@ -14,7 +14,9 @@
 //! - [`cache_write()`]: a step's keys and values written into a reserved cache's room as one
 //!   kernel, in place, where burn's slice writes are one a tensor.
 //! - [`rms_norm_rope()`]: Qwen3's per-head norm of the queries and keys and their rotation as
-//!   one kernel, where the two above are two launches.
+//!   one kernel, where the two above are two launches; [`rope_into_room()`], a layer's queries
+//!   and keys rotated (normed or not) with the keys and values written into a reserved cache's
+//!   room, one kernel where those and [`cache_write()`] are two or three.
 //! - [`swiglu()`]: one kernel for the MLP's gate instead of eight.
 //! - [`token_logprobs()`]: one kernel for the scorer's log-softmax at the targets instead of
 //!   eight.
@@ -74,7 +76,7 @@ pub use cache_write::cache_write;
 pub use decode_attention::decode_attention;
 pub use linear::{frozen_linear, frozen_linear_backward, frozen_linear_rounded, frozen_product_by, rounding};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
-pub use norm_rope::{rms_norm_rope, rms_norm_rope_pair};
+pub use norm_rope::{rms_norm_rope, rms_norm_rope_pair, rope_into_room};
 pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
 pub use sample::{sample_rows, samples};

@@ -9,6 +9,7 @@
 //! [`rms_norm_rope_pair`] takes a layer's queries and keys in one launch, each cube one head of
 //! either.
 
+use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::Cube;
 use burn::tensor::{Shape, Tensor};
 use burn_cubecl::kernel::{into_contiguous, untile};
@@ -25,22 +26,26 @@ mod kernel {
 
     use super::super::cube::{cube_row, inverse_rms};
 
-    /// Row `row` of `out` (contiguous, `[batch, heads, seq, head_dim]`): row `(b, h, s)` of `x`
-    /// (`[batch, seq, heads, head_dim]`, any strides), normalised, `x / sqrt(mean(x^2) + eps) *
-    /// weight`, then rotated, `n cos + rotate_half(n) sin` with `cos` and `sin` `[batch, 1, seq,
-    /// head_dim]` of any strides. Every unit of the cube must call it; `partial` holds at least
-    /// `head_dim` values.
+    /// Row `row` of the output, `(b, h, s)` of `x` (`[batch, seq, heads, head_dim]`, any
+    /// strides), normalised, `x / sqrt(mean(x^2) + eps) * weight` (when `normed`; as it is
+    /// otherwise, `weight` unread), then rotated, `n cos + rotate_half(n) sin` with `cos` and
+    /// `sin` `[batch, 1, seq, head_dim]` of any strides, cast to `C` and written to
+    /// `out[out_start + j * out_step]`. Every unit of the cube must call it; `partial` holds at
+    /// least `head_dim` values.
     #[cube]
     #[allow(clippy::too_many_arguments)]
-    fn norm_rope_row(
+    fn norm_rope_row<C: Float>(
         x: &Tensor<f32>,
         weight: &Tensor<f32>,
         cos: &Tensor<f32>,
         sin: &Tensor<f32>,
-        out: &mut Tensor<f32>,
+        out: &mut Tensor<C>,
+        out_start: usize,
+        out_step: usize,
         row: usize,
         eps: f32,
         partial: &mut Shared<[f32]>,
+        #[comptime] normed: bool,
     ) {
         let unit = UNIT_POS_X as usize;
         let units_here = CUBE_DIM_X as usize;
@@ -52,13 +57,21 @@ mod kernel {
         let b = row / (seq * heads);
         let start = b * x.stride(0) + s * x.stride(1) + h * x.stride(2);
         let step = x.stride(3);
-        let inverse = inverse_rms(x, start, step, dim, eps, partial);
 
         // The normalised head, in the slots the reduction is done with.
-        let mut i = unit;
-        while i < dim {
-            partial[i] = x[start + i * step] * inverse * weight[i * weight.stride(0)];
-            i += units_here;
+        if normed {
+            let inverse = inverse_rms(x, start, step, dim, eps, partial);
+            let mut i = unit;
+            while i < dim {
+                partial[i] = x[start + i * step] * inverse * weight[i * weight.stride(0)];
+                i += units_here;
+            }
+        } else {
+            let mut i = unit;
+            while i < dim {
+                partial[i] = x[start + i * step];
+                i += units_here;
+            }
         }
         sync_cube();
 
@@ -70,7 +83,7 @@ mod kernel {
             let rotated = if j < half { -partial[j + half] } else { partial[j - half] };
             let c = cos[cos_row + j * cos.stride(3)];
             let n = sin[sin_row + j * sin.stride(3)];
-            out[row * dim + j] = partial[j] * c + rotated * n;
+            out[out_start + j * out_step] = C::cast_from(partial[j] * c + rotated * n);
             j += units_here;
         }
     }
@@ -93,7 +106,7 @@ mod kernel {
         // Every unit of a cube takes the same branch, so the barriers stay uniform.
         if row < rows {
             let mut partial = Shared::<[f32]>::new_slice(units);
-            norm_rope_row(x, weight, cos, sin, out, row, eps, &mut partial);
+            norm_rope_row(x, weight, cos, sin, out, row * x.shape(3), 1, row, eps, &mut partial, true);
         }
     }
 
@@ -120,10 +133,71 @@ mod kernel {
         // Every unit of a cube takes the same branch, so the barriers stay uniform.
         if row < q_rows {
             let mut partial = Shared::<[f32]>::new_slice(units);
-            norm_rope_row(q, q_weight, cos, sin, q_out, row, eps, &mut partial);
+            norm_rope_row(q, q_weight, cos, sin, q_out, row * q.shape(3), 1, row, eps, &mut partial, true);
         } else if row < q_rows + k_rows {
             let mut partial = Shared::<[f32]>::new_slice(units);
-            norm_rope_row(k, k_weight, cos, sin, k_out, row - q_rows, eps, &mut partial);
+            let k_row = row - q_rows;
+            norm_rope_row(k, k_weight, cos, sin, k_out, k_row * k.shape(3), 1, k_row, eps, &mut partial, true);
+        }
+    }
+
+    /// A layer's queries rotated, and its keys rotated and values copied into slots `start..`
+    /// of a reserved cache's rooms, in one launch: cubes `0..q_rows` take the rows of `q_out`
+    /// (contiguous, `[batch, heads, seq, head_dim]`) from `q` with `q_weight`; the next `k_rows`
+    /// the keys' rows from `k` with `k_weight`, each written to its slot of `key_room`; the next
+    /// `k_rows` the values' rows of `v` (`[batch, kv_heads, seq, head_dim]`, any strides), copied
+    /// to theirs of `value_room` ([`norm_rope_row`], normalised when `normed`, the same tables
+    /// and `eps`). The rooms are `[batch, kv_heads, room, head_dim]` of any non-overlapping
+    /// strides, each value cast to `C` as it is written.
+    #[cube(launch)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rope_into_room_kernel<C: Float>(
+        q: &Tensor<f32>,
+        q_weight: &Tensor<f32>,
+        k: &Tensor<f32>,
+        k_weight: &Tensor<f32>,
+        v: &Tensor<f32>,
+        cos: &Tensor<f32>,
+        sin: &Tensor<f32>,
+        q_out: &mut Tensor<f32>,
+        key_room: &mut Tensor<C>,
+        value_room: &mut Tensor<C>,
+        q_rows: usize,
+        k_rows: usize,
+        start: usize,
+        eps: f32,
+        #[comptime] units: usize,
+        #[comptime] normed: bool,
+        #[define(C)] _room_type: ElemType,
+    ) {
+        let row = cube_row();
+        // Every unit of a cube takes the same branch, so the barriers stay uniform.
+        if row < q_rows {
+            let mut partial = Shared::<[f32]>::new_slice(units);
+            norm_rope_row(q, q_weight, cos, sin, q_out, row * q.shape(3), 1, row, eps, &mut partial, normed);
+        } else if row < q_rows + 2 * k_rows {
+            let is_value = row >= q_rows + k_rows;
+            let r = if is_value { row - q_rows - k_rows } else { row - q_rows };
+            let seq = k.shape(1);
+            let heads = k.shape(2);
+            let s = r % seq;
+            let h = (r / seq) % heads;
+            let b = r / (seq * heads);
+            if is_value {
+                let at = b * value_room.stride(0) + h * value_room.stride(1) + (start + s) * value_room.stride(2);
+                let from = b * v.stride(0) + h * v.stride(1) + s * v.stride(2);
+                let out_step = value_room.stride(3);
+                let mut j = UNIT_POS_X as usize;
+                while j < v.shape(3) {
+                    value_room[at + j * out_step] = C::cast_from(v[from + j * v.stride(3)]);
+                    j += CUBE_DIM_X as usize;
+                }
+            } else {
+                let at = b * key_room.stride(0) + h * key_room.stride(1) + (start + s) * key_room.stride(2);
+                let out_step = key_room.stride(3);
+                let mut partial = Shared::<[f32]>::new_slice(units);
+                norm_rope_row(k, k_weight, cos, sin, key_room, at, out_step, r, eps, &mut partial, normed);
+            }
         }
     }
 }
@@ -211,6 +285,85 @@ pub fn rms_norm_rope_pair(
         );
     }
     Some((Tensor::from_primitive::<Cube>(q_out), Tensor::from_primitive::<Cube>(k_out)))
+}
+
+/// A layer's keys rotated and its values, written into slots `start..start + seq` of a
+/// reserved cache's rooms in place (cast to the rooms' element type), and its queries rotated,
+/// in one kernel launch: the work of [`rms_norm_rope_pair`] (or of the two rotations alone,
+/// for a model without Qwen3's per-head norms) and [`super::cache_write`], one launch a layer
+/// where those are two or three. `norms` are the queries' and the keys' weights and their one
+/// `eps`; without `q` only the keys and values are written. Returns the rotated queries (when
+/// given) and the rooms; with nothing run, `Err(rooms)` for tensors either would refuse
+/// ([`super::takes`], [`super::cache_write`]'s rooms).
+///
+/// # Shapes
+/// `q`: `[batch, seq, heads, head_dim]`, `k`: `[batch, seq, kv_heads, head_dim]`, `v`: `[batch,
+/// kv_heads, seq, head_dim]` (any strides), weights `[head_dim]`, `cos`/`sin`: `[batch, 1, seq,
+/// head_dim]`, `rooms`: `[batch, kv_heads, room, head_dim]` each -> `[batch, heads, seq,
+/// head_dim]` (contiguous), `rooms`
+#[allow(clippy::result_large_err, clippy::type_complexity)]
+pub fn rope_into_room(
+    (q, k, v): (Option<&Tensor<4>>, &Tensor<4>, &Tensor<4>),
+    norms: Option<(&Tensor<1>, &Tensor<1>, f64)>,
+    (cos, sin): (&Tensor<4>, &Tensor<4>),
+    rooms: (Tensor<4>, Tensor<4>),
+    start: usize,
+) -> Result<(Option<Tensor<4>>, (Tensor<4>, Tensor<4>)), (Tensor<4>, Tensor<4>)> {
+    let [batch, seq, kv_heads, dim] = k.dims();
+    let heads = q.map_or(0, |q| q.dims()[2]);
+    let fits = q.is_none_or(|q| q.dims() == [batch, seq, heads, dim])
+        && v.dims() == [batch, kv_heads, seq, dim]
+        && cos.dims() == [batch, 1, seq, dim]
+        && sin.dims() == cos.dims()
+        && dim % 2 == 0
+        && dim <= MAX_HEAD_DIM;
+    let taken = [Some(k), Some(v), q, Some(cos), Some(sin)].into_iter().flatten().all(super::takes)
+        && norms.is_none_or(|(qw, kw, _)| super::takes(qw) && super::takes(kw));
+    if !(fits && taken) {
+        return Err(rooms);
+    }
+    let (key_room, value_room) = super::cache_write::writable_rooms(rooms, [batch, kv_heads, seq, dim], start, k)?;
+    let cube = |t: &Tensor<4>| untile(t.clone().try_into_primitive::<Cube>().expect("checked by `takes`"));
+    let weight = |w: &Tensor<1>| into_contiguous(w.clone().try_into_primitive::<Cube>().expect("checked by `takes`"));
+    let (kp, vp, cp, sp) = (cube(k), cube(v), cube(cos), cube(sin));
+    let qp = q.map(cube);
+    // Without norms the weights are not read; without queries no query row is taken: any
+    // tensor of the device stands in for them.
+    let (qw, kw) = match norms {
+        Some((qw, kw, _)) => (weight(qw), weight(kw)),
+        None => (cp.clone(), cp.clone()),
+    };
+    let q_out = empty_of(&kp, Shape::new(if q.is_some() { [batch, heads, seq, dim] } else { [1, 1, 1, 1] }));
+    let (q_rows, k_rows) = (batch * heads * seq, batch * kv_heads * seq);
+    if q_rows + k_rows > 0 && dim > 0 {
+        let (count, cube_dim, units) = row_launch(q_rows + 2 * k_rows, dim);
+        let client = kp.client.clone();
+        let room_type = dtype_to_storage_type(key_room.dtype);
+        kernel::rope_into_room_kernel::launch(
+            &client,
+            count,
+            cube_dim,
+            qp.unwrap_or_else(|| kp.clone()).into_tensor_arg(),
+            qw.into_tensor_arg(),
+            kp.into_tensor_arg(),
+            kw.into_tensor_arg(),
+            vp.into_tensor_arg(),
+            cp.into_tensor_arg(),
+            sp.into_tensor_arg(),
+            q_out.clone().into_tensor_arg(),
+            key_room.clone().into_tensor_arg(),
+            value_room.clone().into_tensor_arg(),
+            q_rows,
+            k_rows,
+            start,
+            norms.map_or(0.0, |(_, _, eps)| eps as f32),
+            units,
+            norms.is_some(),
+            room_type,
+        );
+    }
+    let rooms = (Tensor::from_primitive::<Cube>(key_room), Tensor::from_primitive::<Cube>(value_room));
+    Ok((q.map(|_| Tensor::from_primitive::<Cube>(q_out)), rooms))
 }
 
 /// The kernel's launch over `x` of `dims`: one cube per output row.
