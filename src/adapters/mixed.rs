@@ -24,7 +24,7 @@ use super::lora::{LoraAdapter, Site};
 use crate::model::fused::batched_matmul;
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 use crate::model::fused::gpu;
-use crate::model::{ModelConfig, Projection, ProjectionDelta};
+use crate::model::{LowRank, ModelConfig, Projection, ProjectionDelta};
 
 /// The update factors of one site for the whole batch.
 #[derive(Clone, Debug)]
@@ -313,6 +313,25 @@ impl MixedLora {
         Some(self.apply(factors, self.dropped(x), tracked, None))
     }
 
+    /// [`ProjectionDelta::low_rank`], with the factors outside autodiff unless `tracked`: none
+    /// under dropout, for an input under autodiff or where the factors stay in the graph.
+    fn low_rank_of(&self, layer: usize, projection: Projection, x: &Tensor<3>, tracked: bool) -> Option<LowRank> {
+        if x.is_autodiff() || self.dropout.is_some() {
+            return None;
+        }
+        let factors = self.factors.sites.get(&(layer, projection))?;
+        let plain = |t: &Tensor<2>| if tracked { t.clone() } else { t.clone().without_autodiff() };
+        let (a, b_scaled) = (plain(factors.a()), plain(factors.b_scaled()));
+        if a.is_autodiff() || b_scaled.is_autodiff() {
+            return None;
+        }
+        let mask = match factors {
+            SiteFactors::Shared { .. } => None,
+            SiteFactors::Stacked { mask, .. } => Some(self.masks[*mask].clone()),
+        };
+        Some(LowRank { a, b_scaled, mask })
+    }
+
     /// [`ProjectionDelta::joint_delta`] for the q/k/v parts: the layer's joint factors
     /// ([`StackedFactors::joined`]), for an input outside autodiff and without dropout.
     ///
@@ -402,6 +421,10 @@ impl ProjectionDelta for Untracked<'_> {
         self.0.joint_of(layer, parts, x)
     }
 
+    fn low_rank(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<LowRank> {
+        self.0.low_rank_of(layer, projection, x, false)
+    }
+
     fn joint_sum(
         &self,
         layer: usize,
@@ -435,6 +458,11 @@ impl ProjectionDelta for MixedLora {
     /// `x`: `[batch, seq, in]` -> `[batch, seq, q + k + v]`
     fn joint_delta(&self, layer: usize, parts: &[(Projection, usize)], x: &Tensor<3>) -> Option<Tensor<3>> {
         self.joint_of(layer, parts, x)
+    }
+
+    /// The site's factors, where they and `x` are outside autodiff, without dropout.
+    fn low_rank(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<LowRank> {
+        self.low_rank_of(layer, projection, x, true)
     }
 
     /// The q/k/v parts' stacked output plus their joint delta, one kernel for the delta and the

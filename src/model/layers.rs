@@ -94,6 +94,19 @@ impl Projection {
     }
 }
 
+/// A projection's adapter delta as factors outside autodiff ([`ProjectionDelta::low_rank`]):
+/// the delta of input `x` (`[batch, seq, in]`) is `((x A^T) * mask[b]) B_scaled^T`.
+#[derive(Clone, Debug)]
+pub struct LowRank {
+    /// `[rank, in]`.
+    pub a: Tensor<2>,
+    /// `B` with each adapter's scale applied: `[out, rank]`.
+    pub b_scaled: Tensor<2>,
+    /// The rank columns each batch row keeps (1) or drops (0), `[batch, rank]`; `None` where
+    /// every row keeps every column.
+    pub mask: Option<Tensor<2>>,
+}
+
 /// Adds a per-call delta to a projection's output: how LoRA adapters (one per batch row, or
 /// none) enter the frozen base without the base knowing about them.
 pub trait ProjectionDelta {
@@ -132,6 +145,17 @@ pub trait ProjectionDelta {
         base: &dyn Fn() -> Tensor<3>,
     ) -> Option<Tensor<3>> {
         self.joint_delta(layer, parts, x).map(|delta| base() + delta)
+    }
+
+    /// [`ProjectionDelta::delta`] for `projection` in `layer` and input `x` as its low-rank
+    /// factors, where it is one outside autodiff: `((x A^T) * mask[b]) B_scaled^T`, for a
+    /// caller that computes it in the kernel that adds it to something else (the residual
+    /// sum's, for the output projection on a GPU). `None` (the default) when the delta is not
+    /// of that form for this input (under autodiff, under dropout, no adapter at the site);
+    /// callers then take [`ProjectionDelta::delta`].
+    fn low_rank(&self, layer: usize, projection: Projection, x: &Tensor<3>) -> Option<LowRank> {
+        let _ = (layer, projection, x);
+        None
     }
 
     /// Which adapter row `row` applies, as a key: rows with equal keys get equal deltas for

@@ -31,7 +31,7 @@ pub use attention_kernel::AttentionKernel;
 pub use builtin::Preset;
 pub use config::{ModelConfig, ModelType};
 pub use kv_cache_dtype::KvCacheDtype;
-pub use layers::{Projection, ProjectionDelta};
+pub use layers::{LowRank, Projection, ProjectionDelta};
 pub use load::{LoadOptions, Precision};
 pub use matmul_kernel::MatmulKernel;
 pub use prompt_cache::PromptCache;

@@ -722,18 +722,19 @@ impl Attention {
         }
     }
 
-    /// The attention's output projection and its adapter delta (if any), apart: the layer adds
-    /// both to the residual stream.
+    /// The attention's output projection and its adapter delta, apart: the layer adds both to
+    /// the residual stream.
     ///
     /// # Shapes
-    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]` each
+    /// `x`: `[batch, seq, hidden]` -> `[batch, seq, hidden]`, and the delta's (or its input's,
+    /// `[batch, seq, heads * head_dim]`)
     fn forward(
         &self,
         x: Rounded,
         layer: usize,
         rope: (&Tensor<4>, &Tensor<4>),
         args: &mut ForwardArgs<'_>,
-    ) -> (Tensor<3>, Option<Tensor<3>>) {
+    ) -> (Tensor<3>, OutputDelta) {
         let [batch, seq, _] = x.0.dims();
         let (q, k, v) = self.project_qkv(x, layer, args.delta);
         let mask = &args.layout.mask;
@@ -754,8 +755,30 @@ impl Attention {
             }
         };
         let merged = |t: Tensor<4>| t.swap_dims(1, 2).reshape([batch, seq, self.num_heads * self.head_dim]);
-        project_apart(&self.o_proj, (merged(out), rounded.map(merged)), layer, Projection::O, args.delta)
+        let (out, rounded) = (merged(out), rounded.map(merged));
+        // On a GPU, over a decoding step's few rows, the residual sum's kernel computes the delta.
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        if batch * seq <= super::fused::gpu::LORA_DELTA_MAX_ROWS && super::fused::gpu::takes(&out) {
+            if let Some(factors) = args.delta.and_then(|d| d.low_rank(layer, Projection::O, &out)) {
+                let projected = self.o_proj.forward_rounded(out.clone(), rounded);
+                return (projected, OutputDelta::LowRank(out, factors));
+            }
+        }
+        let (projected, delta) = project_apart(&self.o_proj, (out, rounded), layer, Projection::O, args.delta);
+        (projected, OutputDelta::Computed(delta))
     }
+}
+
+/// The output projection's adapter delta as attention leaves it for the residual sum. (One a
+/// layer, made and taken apart in one step: the variants' sizes do not matter.)
+#[allow(clippy::large_enum_variant)]
+enum OutputDelta {
+    /// The delta, or `None` where no adapter applies.
+    Computed(Option<Tensor<3>>),
+    /// The projection's input and the delta's factors, for the residual sum's kernel to compute
+    /// it in the same launch ([`super::fused::gpu::add_low_rank_rms_norm`]).
+    #[cfg(any(feature = "cuda", feature = "wgpu"))]
+    LowRank(Tensor<3>, super::layers::LowRank),
 }
 
 impl Mlp {
@@ -856,14 +879,51 @@ impl DecoderLayer {
         args: &mut ForwardArgs<'_>,
     ) -> Residual {
         let (x, normed) = stream.normed(&self.input_layernorm, self.self_attn.qkv_proj.input_rounding());
-        let (attended, extra) = self.self_attn.forward(normed, layer, rope, args);
-        // The residual stream's sum and the MLP's norm of it (one kernel on a GPU, which also
-        // writes the norm rounded for the gate/up product).
-        let norm = &self.post_attention_layernorm;
-        let round = self.mlp.gate_up_proj.input_rounding();
-        let (x, normed, rounded) = add_rms_norm_rounded(x, attended, extra, &norm.weight, norm.eps, round);
+        let (attended, delta) = self.self_attn.forward(normed, layer, rope, args);
+        let (x, normed, rounded) = self.sum_and_norm(x, attended, delta, layer, args);
         let fed = self.mlp.forward((normed, rounded), layer, args.delta);
         Residual { x, pending: Some(fed) }
+    }
+
+    /// The residual stream's sum `x + (attended + delta)` and the MLP's norm of it, with the
+    /// norm rounded for the gate/up product where it is in half precision: one kernel on a GPU,
+    /// which also computes a decoding step's delta ([`OutputDelta::LowRank`]).
+    ///
+    /// # Shapes
+    /// `x`, `attended`: `[batch, seq, hidden]` -> (the sum, its norm, the norm rounded), like `x`
+    #[allow(clippy::type_complexity)]
+    fn sum_and_norm(
+        &self,
+        x: Tensor<3>,
+        attended: Tensor<3>,
+        delta: OutputDelta,
+        layer: usize,
+        args: &ForwardArgs<'_>,
+    ) -> (Tensor<3>, Tensor<3>, Option<Tensor<3>>) {
+        let norm = &self.post_attention_layernorm;
+        let round = self.mlp.gate_up_proj.input_rounding();
+        // Without a GPU, only a computed delta is made.
+        #[cfg(not(any(feature = "cuda", feature = "wgpu")))]
+        let (OutputDelta::Computed(delta), _, _) = (delta, layer, args);
+        #[cfg(any(feature = "cuda", feature = "wgpu"))]
+        let delta = match delta {
+            OutputDelta::Computed(delta) => delta,
+            OutputDelta::LowRank(input, factors) => {
+                let all = super::fused::gpu::add_low_rank_rms_norm(
+                    &x,
+                    &attended,
+                    (&input, &factors),
+                    &norm.weight,
+                    norm.eps,
+                    round,
+                );
+                if let Some(all) = all {
+                    return all;
+                }
+                args.delta.and_then(|d| d.delta(layer, Projection::O, &input))
+            }
+        };
+        add_rms_norm_rounded(x, attended, delta, &norm.weight, norm.eps, round)
     }
 
     /// Only this layer's keys and values of the stream, appended to the cache (what

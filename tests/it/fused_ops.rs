@@ -1267,6 +1267,89 @@ fn one_kernel_rotating_into_a_reserved_cache_equals_the_kernels_apart_on_the_tes
     }
 }
 
+/// The residual sum's kernel computing the output projection's adapter delta itself
+/// (`add_low_rank_rms_norm`) gives what the delta's kernel and the sum's kernel apart give
+/// (`lora_delta`, then `add_rms_norm`), within 1e-6 (a compiler may contract a product and a
+/// sum differently in the two): the sum, the norm and the norm rounded to half precision; with
+/// a rank mask over rows of two adapters (some columns zeroed) and without one; over a decoding
+/// step's rows and a few slots each; on the device of `TROUPE_TEST_DEVICE` (nothing to check on
+/// the CPU). Past the decoding kernel's rows it runs nothing.
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[test]
+fn the_residual_sum_computing_the_output_deltas_low_rank_product_equals_the_kernels_apart_on_the_test_device() {
+    use burn::tensor::DType;
+    use troupe::model::fused::gpu::{add_low_rank_rms_norm, add_rms_norm, lora_delta, LORA_DELTA_MAX_ROWS};
+    use troupe::model::LowRank;
+
+    let device = crate::common::test_device();
+    if device == Device::flex() {
+        return;
+    }
+    let half = if troupe::device::is_cuda(&device) { DType::BF16 } else { DType::F16 };
+    let mut rng = ChaCha8Rng::seed_from_u64(23);
+    let values_of = |t: Tensor<3>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let worst = |got: Vec<f32>, want: Vec<f32>| {
+        assert_eq!(got.len(), want.len());
+        got.iter().zip(&want).map(|(g, w)| (g - w).abs() / w.abs().max(1.0)).fold(0.0f32, f32::max)
+    };
+    let mut largest = 0f32;
+    // (batch, seq, width, fan in, rank, masked)
+    for (batch, seq, width, fan_in, rank, masked) in
+        [(16, 1, 64, 48, 16, true), (16, 1, 64, 48, 16, false), (3, 2, 40, 24, 24, true), (1, 1, 256, 128, 1, false)]
+    {
+        let case = format!("{batch} x {seq}, width {width}, fan in {fan_in}, rank {rank}, masked {masked}");
+        let rows = batch * seq;
+        let x = random(&mut rng, [rows, width], 2.0, &device).reshape([batch, seq, width]);
+        let y = random(&mut rng, [rows, width], 2.0, &device).reshape([batch, seq, width]);
+        // The projection's input as attention's merged heads give it: a view of other strides.
+        let input = random(&mut rng, [fan_in, rows], 1.0, &device).transpose().reshape([batch, seq, fan_in]);
+        let a = random(&mut rng, [rank, fan_in], 0.5, &device);
+        let b_scaled = random(&mut rng, [width, rank], 0.5, &device);
+        let mask = masked.then(|| {
+            // Two adapters' columns side by side: even rows keep the first half, odd the rest.
+            let keep: Vec<f32> =
+                (0..batch).flat_map(|b| (0..rank).map(move |j| f32::from((j < rank / 2) == (b % 2 == 0)))).collect();
+            Tensor::<2>::from_data(TensorData::new(keep, [batch, rank]), &device)
+        });
+        let weight = random(&mut rng, [1, width], 1.5, &device).reshape([width]);
+        let factors = LowRank { a: a.clone(), b_scaled: b_scaled.clone(), mask: mask.clone() };
+        for round in [None, Some(half)] {
+            let case = format!("{case}, rounded to {round:?}");
+            let delta = lora_delta(&input.clone().reshape([rows, fan_in]), &a, &b_scaled, mask.as_ref(), seq, None)
+                .reshape([batch, seq, width]);
+            let (want_sum, want_norm, want_rounded) =
+                add_rms_norm(&x, &y, Some(&delta), &weight, 1e-6, round).expect("the sum's kernel");
+            let (sum, norm, rounded) =
+                add_low_rank_rms_norm(&x, &y, (&input, &factors), &weight, 1e-6, round).expect("the fused kernel");
+            for (what, got, want) in [("sum", sum, want_sum), ("norm", norm, want_norm)] {
+                let off = worst(values_of(got), values_of(want));
+                assert!(off <= 1e-6, "{case}: {what} off by {off}");
+                largest = largest.max(off);
+            }
+            assert_eq!(rounded.is_some(), round.is_some(), "{case}");
+            if let (Some(got), Some(want)) = (rounded, want_rounded) {
+                assert_eq!(got.dtype(), want.dtype(), "{case}");
+                // A norm within 1e-6 may round to the neighbouring half-precision value.
+                let off = worst(values_of(got), values_of(want));
+                assert!(off <= 1e-2, "{case}: rounded norm off by {off}");
+            }
+        }
+    }
+    eprintln!("the fused low-rank residual sum against the kernels apart: {largest:.2e}");
+
+    // Past a decoding step's rows, nothing runs.
+    let (batch, width, fan_in, rank) = (LORA_DELTA_MAX_ROWS + 1, 16, 8, 4);
+    let tall = |rng: &mut ChaCha8Rng, cols: usize| random(rng, [batch, cols], 1.0, &device).reshape([batch, 1, cols]);
+    let (x, y, input) = (tall(&mut rng, width), tall(&mut rng, width), tall(&mut rng, fan_in));
+    let factors = LowRank {
+        a: random(&mut rng, [rank, fan_in], 1.0, &device),
+        b_scaled: random(&mut rng, [width, rank], 1.0, &device),
+        mask: None,
+    };
+    let weight = random(&mut rng, [1, width], 1.0, &device).reshape([width]);
+    assert!(add_low_rank_rms_norm(&x, &y, (&input, &factors), &weight, 1e-6, None).is_none());
+}
+
 /// Every routine `TROUPE_MATMUL` can name either computes a frozen product as an f64 sum of its
 /// rounded operands does, or refuses it before writing anything, on the device of
 /// `TROUPE_TEST_DEVICE` (nothing to check on the CPU, whose products are troupe's own): `x W^T`

@@ -22,7 +22,7 @@ const ROWS: usize = 4;
 pub const MAX_ROWS: usize = 64;
 
 /// The largest total rank the kernel takes (a cube's shared memory holds `ROWS` x the rank).
-const MAX_RANK: usize = 256;
+pub(super) const MAX_RANK: usize = 256;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {

@@ -77,7 +77,7 @@ pub use decode_attention::decode_attention;
 pub use linear::{frozen_linear, frozen_linear_backward, frozen_linear_rounded, frozen_product_by, rounding};
 pub use lora::{lora_delta, takes as lora_delta_takes, MAX_ROWS as LORA_DELTA_MAX_ROWS};
 pub use norm_rope::{rms_norm_rope, rms_norm_rope_pair, rope_into_room};
-pub use rms_norm::{add_rms_norm, rms_norm, rms_norm_tracked};
+pub use rms_norm::{add_low_rank_rms_norm, add_rms_norm, rms_norm, rms_norm_tracked};
 pub use rope::{rope, rope_tracked};
 pub use sample::{sample_rows, samples};
 pub use split::stacked_parts_tracked;

@@ -19,6 +19,7 @@ use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::kernel::{into_contiguous, untile};
 
 use super::{apply_tracked, empty_like, rounded_output, row_launch, Primitive, TrackedOp};
+use crate::model::LowRank;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
 mod kernel {
@@ -48,20 +49,34 @@ mod kernel {
     /// the two sums and [`rms_norm_kernel`] apart give them, and when `round`, `rounded` (of
     /// `out`'s shape, contiguous) `out` rounded to `R`. `x`, `y` and `extra` are `[..., width]`
     /// of any strides; `sum` and `out` contiguous, of their shape.
+    ///
+    /// When `low_rank`, `extra` is not read but computed, a LoRA delta over the row's `input`
+    /// (`[..., fan_in]`, any strides): `((input A^T) * mask[row / seq]) B^T` for `a` `[rank,
+    /// fan_in]`, `b` `[width, rank]` and `mask` `[rows / seq, rank]` (read only `masked`), any
+    /// strides, each product summed in f32 in order along its shared dimension as
+    /// [`super::super::lora`]'s kernel sums it; `slots` is at least the rank.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_rms_norm_kernel<R: Float>(
         x: &Tensor<f32>,
         y: &Tensor<f32>,
         extra: &Tensor<f32>,
+        input: &Tensor<f32>,
+        a: &Tensor<f32>,
+        b: &Tensor<f32>,
+        mask: &Tensor<f32>,
         weight: &Tensor<f32>,
         sum: &mut Tensor<f32>,
         out: &mut Tensor<f32>,
         rounded: &mut Tensor<R>,
         rows: usize,
+        seq: usize,
         eps: f32,
         #[comptime] units: usize,
         #[comptime] with_extra: bool,
+        #[comptime] low_rank: bool,
+        #[comptime] masked: bool,
+        #[comptime] slots: usize,
         #[comptime] round: bool,
         #[define(R)] _rounded_type: ElemType,
     ) {
@@ -75,12 +90,51 @@ mod kernel {
                 (x.stride(x.rank() - 1), y.stride(y.rank() - 1), extra.stride(extra.rank() - 1));
             let base = row * width;
 
+            // The row's product with each of `A`'s rows, masked, one unit a rank column.
+            let mut down = Shared::<[f32]>::new_slice(slots);
+            let rank = a.shape(0);
+            if low_rank {
+                let (in_start, in_step, fan_in) = (row_start(input, row), input.stride(input.rank() - 1), a.shape(1));
+                let mut j = unit;
+                while j < rank {
+                    let mut value = 0.0f32;
+                    let mut keep = 1.0f32;
+                    if masked {
+                        keep = mask[(row / seq) * mask.stride(0) + j * mask.stride(1)];
+                    }
+                    if keep != 0.0 {
+                        let mut dot = 0.0f32;
+                        let mut i = 0usize;
+                        while i < fan_in {
+                            dot += input[in_start + i * in_step] * a[j * a.stride(0) + i * a.stride(1)];
+                            i += 1;
+                        }
+                        value = dot * keep;
+                    }
+                    down[j] = value;
+                    j += units_here;
+                }
+                sync_cube();
+            }
+
             let mut squares = 0.0f32;
             let mut i = unit;
             while i < width {
                 let mut added = y[y_start + i * y_step];
                 if with_extra {
                     added += extra[e_start + i * e_step];
+                }
+                if low_rank {
+                    let mut delta = 0.0f32;
+                    let mut j = 0usize;
+                    while j < rank {
+                        let d = down[j];
+                        if d != 0.0 {
+                            delta += d * b[i * b.stride(0) + j * b.stride(1)];
+                        }
+                        j += 1;
+                    }
+                    added += delta;
                 }
                 let v = x[x_start + i * x_step] + added;
                 sum[base + i] = v;
@@ -214,39 +268,133 @@ pub fn add_rms_norm<const D: usize>(
     if y.dims() != x.dims() || extra.is_some_and(|e| e.dims() != x.dims()) {
         return None;
     }
-    let primitive = |t: &Tensor<D>| t.clone().try_into_primitive::<Cube>().ok().map(untile);
-    let (xp, yp) = (primitive(x)?, primitive(y)?);
-    let ep = match extra {
-        Some(extra) => Some(primitive(extra)?),
+    let extra = match extra {
+        Some(extra) => Extra::Added(primitive(extra)?),
+        None => Extra::Nothing,
+    };
+    let (sum, out, rounded) = launch((primitive(x)?, primitive(y)?), extra, weight, eps, round, 1)?;
+    let back = Tensor::<D>::from_primitive::<Cube>;
+    Some((back(sum), back(out), rounded.map(back)))
+}
+
+/// [`add_rms_norm`] with `extra` an adapter's low-rank delta that the same launch computes from
+/// `input` (the output projection's input, for its delta): `((input A^T) * mask[b]) B_scaled^T`
+/// as [`super::lora_delta`] computes it, each product summed in f32 in order along its shared
+/// dimension. One launch where the delta's kernel and the sum's were two. For plain f32 tensors
+/// on a cubecl device ([`super::takes`]), at most [`super::LORA_DELTA_MAX_ROWS`] rows and a total
+/// rank of 1 to 256; `None`, with nothing run, otherwise.
+///
+/// # Shapes
+/// `x`, `y`: `[batch, seq, width]`, `input`: `[batch, seq, fan_in]`, `factors`: `a` `[rank,
+/// fan_in]`, `b_scaled` `[width, rank]`, `mask` `[batch, rank]`, `weight`: `[width]` -> (the sum,
+/// its norm, the norm rounded), `[batch, seq, width]` (contiguous)
+#[allow(clippy::type_complexity)]
+pub fn add_low_rank_rms_norm(
+    x: &Tensor<3>,
+    y: &Tensor<3>,
+    (input, factors): (&Tensor<3>, &LowRank),
+    weight: &Tensor<1>,
+    eps: f64,
+    round: Option<DType>,
+) -> Option<(Tensor<3>, Tensor<3>, Option<Tensor<3>>)> {
+    let [batch, seq, width] = x.dims();
+    let [rank, fan_in] = factors.a.dims();
+    let fits = y.dims() == x.dims()
+        && input.dims() == [batch, seq, fan_in]
+        && factors.b_scaled.dims() == [width, rank]
+        && factors.mask.as_ref().is_none_or(|m| m.dims() == [batch, rank])
+        && (1..=super::lora::MAX_RANK).contains(&rank)
+        && batch * seq <= super::LORA_DELTA_MAX_ROWS;
+    let tensors = [x, y, input];
+    let taken = tensors.iter().all(|t| super::takes(*t))
+        && [&factors.a, &factors.b_scaled].into_iter().chain(factors.mask.as_ref()).all(super::takes)
+        && super::takes(weight);
+    if !(fits && taken) {
+        return None;
+    }
+    let factor = |t: &Tensor<2>| t.clone().try_into_primitive::<Cube>().ok().map(untile);
+    let mask = match &factors.mask {
+        Some(mask) => Some(factor(mask)?),
         None => None,
     };
+    let extra = Extra::LowRank((primitive(input)?, factor(&factors.a)?, factor(&factors.b_scaled)?, mask));
+    let (sum, out, rounded) = launch((primitive(x)?, primitive(y)?), extra, weight, eps, round, seq)?;
+    let back = Tensor::<3>::from_primitive::<Cube>;
+    Some((back(sum), back(out), rounded.map(back)))
+}
+
+/// `t` as an untiled cubecl primitive, or `None` on another device.
+fn primitive<const D: usize>(t: &Tensor<D>) -> Option<Primitive> {
+    t.clone().try_into_primitive::<Cube>().ok().map(untile)
+}
+
+/// What [`add_rms_norm_kernel`](kernel::add_rms_norm_kernel) adds to `y` besides. (Made and
+/// taken apart in one call: the variants' sizes do not matter.)
+#[allow(clippy::large_enum_variant)]
+enum Extra {
+    Nothing,
+    /// A tensor of `y`'s shape.
+    Added(Primitive),
+    /// A LoRA delta computed in the launch: its input, `A`, scaled `B` and rank mask.
+    LowRank((Primitive, Primitive, Primitive, Option<Primitive>)),
+}
+
+/// The sum's and the norm's launch over `(x, y)` with `extra`, the rows' mask row being `row /
+/// seq`: (the sum, the norm, the norm rounded where `round` asks).
+#[allow(clippy::type_complexity)]
+fn launch(
+    (xp, yp): (Primitive, Primitive),
+    extra: Extra,
+    weight: &Tensor<1>,
+    eps: f64,
+    round: Option<DType>,
+    seq: usize,
+) -> Option<(Primitive, Primitive, Option<Primitive>)> {
     let wp = into_contiguous(weight.clone().try_into_primitive::<Cube>().ok()?);
     let (sum, out) = (empty_like(&xp), empty_like(&xp));
     let (rounded, rounded_type, writes) = rounded_output(&xp, xp.meta.shape().clone(), round);
     if let Some(grid) = RowGrid::of(&xp) {
         let client = xp.client.clone();
-        let with_extra = ep.is_some();
+        // Operands the launch does not read: any f32 tensor of the device stands in for them.
+        let (with_extra, extra, low_rank) = match extra {
+            Extra::Nothing => (false, yp.clone(), None),
+            Extra::Added(extra) => (true, extra, None),
+            Extra::LowRank(parts) => (false, yp.clone(), Some(parts)),
+        };
+        let (with_low_rank, masked) = (low_rank.is_some(), low_rank.as_ref().is_some_and(|(.., m)| m.is_some()));
+        let slots = low_rank.as_ref().map_or(1, |(_, a, ..)| a.meta.shape().as_slice()[0].next_power_of_two());
+        let (input, a, b, mask) = match low_rank {
+            Some((input, a, b, mask)) => (input, a, b.clone(), mask.unwrap_or(b)),
+            None => (yp.clone(), yp.clone(), yp.clone(), yp.clone()),
+        };
         kernel::add_rms_norm_kernel::launch(
             &client,
             grid.count,
             grid.cube_dim,
             xp.into_tensor_arg(),
-            yp.clone().into_tensor_arg(),
-            ep.unwrap_or(yp).into_tensor_arg(),
+            yp.into_tensor_arg(),
+            extra.into_tensor_arg(),
+            input.into_tensor_arg(),
+            a.into_tensor_arg(),
+            b.into_tensor_arg(),
+            mask.into_tensor_arg(),
             wp.into_tensor_arg(),
             sum.clone().into_tensor_arg(),
             out.clone().into_tensor_arg(),
             rounded.clone().into_tensor_arg(),
             grid.rows,
+            seq.max(1),
             eps as f32,
             grid.units,
             with_extra,
+            with_low_rank,
+            masked,
+            slots,
             writes,
             rounded_type,
         );
     }
-    let rounded = writes.then(|| Tensor::from_primitive::<Cube>(rounded));
-    Some((Tensor::from_primitive::<Cube>(sum), Tensor::from_primitive::<Cube>(out), rounded))
+    Some((sum, out, writes.then_some(rounded)))
 }
 
 /// [`rms_norm`] for an f32 `x` under autodiff on a cubecl device ([`super::takes_tracked`]), its
