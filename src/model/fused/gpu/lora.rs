@@ -29,6 +29,8 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
+    use super::super::cube::{low_rank_down, low_rank_up};
+
     /// One cube per block of `rows_per_cube` rows of `x` (`[n, in]`, any strides): `out[row]`
     /// (`[n, out]`, contiguous) gets `sum_j (x[row] . a[j]) mask[row / seq, j] b[:, j]` for `a`
     /// `[rank, in]`, `b` `[out, rank]` and `mask` `[n / seq, rank]` (read only `masked`), any
@@ -54,7 +56,6 @@ mod kernel {
         let unit = UNIT_POS_X as usize;
         let units_here = CUBE_DIM_X as usize;
         let rank = a.shape(0);
-        let fan_in = a.shape(1);
         let fan_out = b.shape(0);
         let mut down = Shared::<[f32]>::new_slice(rows_per_cube * slots);
 
@@ -71,15 +72,7 @@ mod kernel {
                 if masked {
                     weight = mask[(row / seq) * mask.stride(0) + j * mask.stride(1)];
                 }
-                if weight != 0.0 {
-                    let mut sum = 0.0f32;
-                    let mut i = 0usize;
-                    while i < fan_in {
-                        sum += x[row * x.stride(0) + i * x.stride(1)] * a[j * a.stride(0) + i * a.stride(1)];
-                        i += 1;
-                    }
-                    value = sum * weight;
-                }
+                value = low_rank_down(x, row * x.stride(0), x.stride(1), a, j, weight);
             }
             down[r * slots + j] = value;
             p += units_here;
@@ -93,15 +86,7 @@ mod kernel {
             while r < rows_per_cube {
                 let row = first_row + r;
                 if row < n {
-                    let mut sum = 0.0f32;
-                    let mut j = 0usize;
-                    while j < rank {
-                        let d = down[r * slots + j];
-                        if d != 0.0 {
-                            sum += d * b[c * b.stride(0) + j * b.stride(1)];
-                        }
-                        j += 1;
-                    }
+                    let mut sum = low_rank_up(&down, r * slots, rank, b, c);
                     if onto {
                         sum += base[row * base.stride(0) + c * base.stride(1)];
                     }

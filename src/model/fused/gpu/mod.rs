@@ -297,4 +297,46 @@ mod cube {
         let total = cube_reduce(partial, squares, false);
         1.0f32 / f32::sqrt(total / f32::cast_from(width) + eps)
     }
+
+    /// A LoRA delta's first product for one (row, rank column) pair: the row of `x` that starts
+    /// at `start` (values `step` apart) times row `j` of `a` (`[rank, fan_in]`, any strides),
+    /// summed in f32 in order along `fan_in`, times `keep` (the row's rank mask; the sum is
+    /// skipped, 0, where it is 0).
+    #[cube]
+    pub(super) fn low_rank_down(
+        x: &Tensor<f32>,
+        start: usize,
+        step: usize,
+        a: &Tensor<f32>,
+        j: usize,
+        keep: f32,
+    ) -> f32 {
+        let mut value = 0.0f32;
+        if keep != 0.0 {
+            let mut sum = 0.0f32;
+            let mut i = 0usize;
+            while i < a.shape(1) {
+                sum += x[start + i * step] * a[j * a.stride(0) + i * a.stride(1)];
+                i += 1;
+            }
+            value = sum * keep;
+        }
+        value
+    }
+
+    /// A LoRA delta's column `c` for one row: `sum_j down[at + j] b[c, j]` over the `rank`
+    /// columns of `b` (`[fan_out, rank]`, any strides), in order, the zero terms skipped.
+    #[cube]
+    pub(super) fn low_rank_up(down: &Shared<[f32]>, at: usize, rank: usize, b: &Tensor<f32>, c: usize) -> f32 {
+        let mut sum = 0.0f32;
+        let mut j = 0usize;
+        while j < rank {
+            let d = down[at + j];
+            if d != 0.0 {
+                sum += d * b[c * b.stride(0) + j * b.stride(1)];
+            }
+            j += 1;
+        }
+        sum
+    }
 }

@@ -26,7 +26,7 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    use super::super::cube::{cube_reduce, cube_row, inverse_rms, inverse_rms_of};
+    use super::super::cube::{cube_reduce, cube_row, inverse_rms, inverse_rms_of, low_rank_down, low_rank_up};
 
     /// Where row `row` of `x` (`[..., width]`, any strides) starts: its index split over the
     /// leading dimensions.
@@ -94,24 +94,14 @@ mod kernel {
             let mut down = Shared::<[f32]>::new_slice(slots);
             let rank = a.shape(0);
             if low_rank {
-                let (in_start, in_step, fan_in) = (row_start(input, row), input.stride(input.rank() - 1), a.shape(1));
+                let (in_start, in_step) = (row_start(input, row), input.stride(input.rank() - 1));
                 let mut j = unit;
                 while j < rank {
-                    let mut value = 0.0f32;
                     let mut keep = 1.0f32;
                     if masked {
                         keep = mask[(row / seq) * mask.stride(0) + j * mask.stride(1)];
                     }
-                    if keep != 0.0 {
-                        let mut dot = 0.0f32;
-                        let mut i = 0usize;
-                        while i < fan_in {
-                            dot += input[in_start + i * in_step] * a[j * a.stride(0) + i * a.stride(1)];
-                            i += 1;
-                        }
-                        value = dot * keep;
-                    }
-                    down[j] = value;
+                    down[j] = low_rank_down(input, in_start, in_step, a, j, keep);
                     j += units_here;
                 }
                 sync_cube();
@@ -125,16 +115,7 @@ mod kernel {
                     added += extra[e_start + i * e_step];
                 }
                 if low_rank {
-                    let mut delta = 0.0f32;
-                    let mut j = 0usize;
-                    while j < rank {
-                        let d = down[j];
-                        if d != 0.0 {
-                            delta += d * b[i * b.stride(0) + j * b.stride(1)];
-                        }
-                        j += 1;
-                    }
-                    added += delta;
+                    added += low_rank_up(&down, 0, rank, b, i);
                 }
                 let v = x[x_start + i * x_step] + added;
                 sum[base + i] = v;
@@ -312,12 +293,11 @@ pub fn add_low_rank_rms_norm(
     if !(fits && taken) {
         return None;
     }
-    let factor = |t: &Tensor<2>| t.clone().try_into_primitive::<Cube>().ok().map(untile);
     let mask = match &factors.mask {
-        Some(mask) => Some(factor(mask)?),
+        Some(mask) => Some(primitive(mask)?),
         None => None,
     };
-    let extra = Extra::LowRank((primitive(input)?, factor(&factors.a)?, factor(&factors.b_scaled)?, mask));
+    let extra = Extra::LowRank((primitive(input)?, primitive(&factors.a)?, primitive(&factors.b_scaled)?, mask));
     let (sum, out, rounded) = launch((primitive(x)?, primitive(y)?), extra, weight, eps, round, seq)?;
     let back = Tensor::<3>::from_primitive::<Cube>;
     Some((back(sum), back(out), rounded.map(back)))
@@ -361,11 +341,14 @@ fn launch(
             Extra::Added(extra) => (true, extra, None),
             Extra::LowRank(parts) => (false, yp.clone(), Some(parts)),
         };
-        let (with_low_rank, masked) = (low_rank.is_some(), low_rank.as_ref().is_some_and(|(.., m)| m.is_some()));
-        let slots = low_rank.as_ref().map_or(1, |(_, a, ..)| a.meta.shape().as_slice()[0].next_power_of_two());
-        let (input, a, b, mask) = match low_rank {
-            Some((input, a, b, mask)) => (input, a, b.clone(), mask.unwrap_or(b)),
-            None => (yp.clone(), yp.clone(), yp.clone(), yp.clone()),
+        let with_low_rank = low_rank.is_some();
+        let ((input, a, b, mask), masked, slots) = match low_rank {
+            Some((input, a, b, mask)) => {
+                let slots = a.meta.shape().as_slice()[0].next_power_of_two();
+                let masked = mask.is_some();
+                ((input, a, b.clone(), mask.unwrap_or(b)), masked, slots)
+            }
+            None => ((yp.clone(), yp.clone(), yp.clone(), yp.clone()), false, 1),
         };
         kernel::add_rms_norm_kernel::launch(
             &client,
