@@ -1267,13 +1267,85 @@ fn one_kernel_rotating_into_a_reserved_cache_equals_the_kernels_apart_on_the_tes
     }
 }
 
+/// The few-row LoRA kernel (`lora_delta`) gives `((x A^T) * mask[row / seq]) B^T + base` as an
+/// f64 sum of the same operands does, within 1e-6 of the sum of the terms' magnitudes: at a
+/// decoding step's row counts, ranks from 1 to 256 (each rank column's sum split over 32 to 1
+/// units), fan-ins shorter than a split group and as long as a Qwen3-4B output projection's,
+/// outputs wider than one cube's block of columns (a Qwen3 q/k/v projection's), with and without
+/// a rank mask over rows of several adapters and an output to add to, the input a view of other
+/// strides; on the device of `TROUPE_TEST_DEVICE` (nothing to check on the CPU).
+#[cfg(any(feature = "cuda", feature = "wgpu"))]
+#[test]
+fn the_few_row_lora_kernel_matches_an_f64_sum_on_the_test_device() {
+    use troupe::model::fused::gpu::lora_delta;
+
+    let device = crate::common::test_device();
+    if device == Device::flex() {
+        return;
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(29);
+    let host = |t: &Tensor<2>| values(t.clone());
+    let mut largest = 0f64;
+    // (rows, seq, fan in, fan out, rank, masked, onto)
+    for (rows, seq, fan_in, fan_out, rank, masked, onto) in [
+        (16, 1, 1000, 4500, 48, true, true),
+        (1, 1, 4096, 64, 16, false, false),
+        (5, 1, 7, 2049, 1, false, true),
+        (64, 2, 96, 300, 256, true, false),
+        (9, 3, 50, 100, 24, true, true),
+    ] {
+        let case = format!(
+            "{rows} rows of {seq}, fan in {fan_in}, fan out {fan_out}, rank {rank}, masked {masked}, onto {onto}"
+        );
+        let x = random(&mut rng, [fan_in, rows], 1.0, &device).transpose();
+        let a = random(&mut rng, [rank, fan_in], 0.5, &device);
+        let b_scaled = random(&mut rng, [fan_out, rank], 0.5, &device);
+        let groups = rows.div_ceil(seq);
+        // Each group of rows keeps a few adapters' columns: a pattern of zeros and ones.
+        let keep: Vec<f32> = (0..groups).flat_map(|g| (0..rank).map(move |j| f32::from((j + g) % 3 != 0))).collect();
+        let mask = masked.then(|| Tensor::<2>::from_data(TensorData::new(keep.clone(), [groups, rank]), &device));
+        let base = onto.then(|| random(&mut rng, [rows, fan_out], 2.0, &device));
+        let got = host(&lora_delta(&x, &a, &b_scaled, mask.as_ref(), seq, base.as_ref()));
+
+        let (xs, as_, bs) = (host(&x), host(&a), host(&b_scaled));
+        let bases = base.as_ref().map(host);
+        for r in 0..rows {
+            // The first product in f64, and the magnitudes its terms sum to.
+            let (mut down, mut size) = (vec![0f64; rank], vec![0f64; rank]);
+            for j in 0..rank {
+                let kept = if masked { f64::from(keep[(r / seq) * rank + j]) } else { 1.0 };
+                for i in 0..fan_in {
+                    let term = f64::from(xs[r * fan_in + i]) * f64::from(as_[j * fan_in + i]);
+                    down[j] += term * kept;
+                    size[j] += term.abs() * kept;
+                }
+            }
+            for c in 0..fan_out {
+                let mut want = bases.as_ref().map_or(0.0, |b| f64::from(b[r * fan_out + c]));
+                let mut magnitude = want.abs();
+                for j in 0..rank {
+                    let bj = f64::from(bs[c * rank + j]);
+                    want += down[j] * bj;
+                    magnitude += size[j] * bj.abs();
+                }
+                let off = (f64::from(got[r * fan_out + c]) - want).abs() / magnitude.max(1.0);
+                assert!(off <= 1e-6, "{case}: row {r}, column {c}: {} against {want}", got[r * fan_out + c]);
+                largest = largest.max(off);
+            }
+        }
+    }
+    eprintln!("the few-row LoRA kernel against an f64 sum: {largest:.2e} of the terms' magnitudes");
+}
+
 /// The residual sum's kernel computing the output projection's adapter delta itself
 /// (`add_low_rank_rms_norm`) gives what the delta's kernel and the sum's kernel apart give
 /// (`lora_delta`, then `add_rms_norm`), within 1e-6 (a compiler may contract a product and a
 /// sum differently in the two): the sum, the norm and the norm rounded to half precision; with
 /// a rank mask over rows of two adapters (some columns zeroed) and without one; over a decoding
-/// step's rows and a few slots each; on the device of `TROUPE_TEST_DEVICE` (nothing to check on
-/// the CPU). Past the decoding kernel's rows it runs nothing.
+/// step's rows and a few slots each; in cubes narrower than the kernel's (a row of 40 or 64
+/// values) and as wide (300), so each rank column's sum is split over the same units in more or
+/// fewer rounds; on the device of `TROUPE_TEST_DEVICE` (nothing to check on the CPU). Past the
+/// decoding kernel's rows it runs nothing.
 #[cfg(any(feature = "cuda", feature = "wgpu"))]
 #[test]
 fn the_residual_sum_computing_the_output_deltas_low_rank_product_equals_the_kernels_apart_on_the_test_device() {
@@ -1294,9 +1366,13 @@ fn the_residual_sum_computing_the_output_deltas_low_rank_product_equals_the_kern
     };
     let mut largest = 0f32;
     // (batch, seq, width, fan in, rank, masked)
-    for (batch, seq, width, fan_in, rank, masked) in
-        [(16, 1, 64, 48, 16, true), (16, 1, 64, 48, 16, false), (3, 2, 40, 24, 24, true), (1, 1, 256, 128, 1, false)]
-    {
+    for (batch, seq, width, fan_in, rank, masked) in [
+        (16, 1, 64, 48, 16, true),
+        (16, 1, 64, 48, 16, false),
+        (3, 2, 40, 24, 24, true),
+        (1, 1, 256, 128, 1, false),
+        (4, 1, 300, 1100, 32, true),
+    ] {
         let case = format!("{batch} x {seq}, width {width}, fan in {fan_in}, rank {rank}, masked {masked}");
         let rows = batch * seq;
         let x = random(&mut rng, [rows, width], 2.0, &device).reshape([batch, seq, width]);

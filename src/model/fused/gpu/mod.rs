@@ -195,6 +195,15 @@ fn row_launch(rows: usize, width: usize) -> (CubeCount, CubeDim, usize) {
     (count, CubeDim::new_1d(units as u32), units)
 }
 
+/// The units each rank column's sum is split over in [`cube::low_rank_down`] for a total rank
+/// of `slots` (a power of two): as many as fill 256 units with every column, 1 to 32. A
+/// function of the rank alone, so that every kernel computing a LoRA delta sums it in one order
+/// (the few-row LoRA kernel and the residual sum's, whose cubes differ in size); it divides
+/// every cube's units (32 to 256, a power of two), so no group straddles two rounds.
+fn low_rank_group(slots: usize) -> usize {
+    (256 / slots.max(1)).clamp(1, 32)
+}
+
 /// Functions the kernels share, with cubecl's `Tensor` (not burn's) in scope.
 mod cube {
     use burn_cubecl::cubecl;
@@ -298,40 +307,88 @@ mod cube {
         1.0f32 / f32::sqrt(total / f32::cast_from(width) + eps)
     }
 
-    /// A LoRA delta's first product for one (row, rank column) pair: the row of `x` that starts
-    /// at `start` (values `step` apart) times row `j` of `a` (`[rank, fan_in]`, any strides),
-    /// summed in f32 in order along `fan_in`, times `keep` (the row's rank mask; the sum is
-    /// skipped, 0, where it is 0).
+    /// A LoRA delta's first product for one row, every rank column at once: `down[j] =
+    /// (x . a[j]) * keep_j` for each of `a`'s rows `j` (`a` `[rank, fan_in]`, any strides), the
+    /// row of `x` starting at `start` with values `step` apart, `keep_j` the row's rank mask
+    /// `mask[mask_start + j * mask.stride(1)]` (read only `masked`; 1 otherwise), and 0 for the
+    /// slots from the rank to `slots`. Each rank column's sum is split over a group of `group`
+    /// units ([`low_rank_group`]): unit `g` of the group sums terms `g, g + group, ...` in order
+    /// along `fan_in`, adjacent units reading adjacent values, and the group's partial sums are
+    /// added as a tree in `partial` (one slot per unit). A column the mask zeroes is not summed.
+    /// So a row's whole product takes `fan_in / group` steps of each unit instead of `fan_in`
+    /// (a Qwen3-4B output projection's fan-in is 4,096). Every unit of the cube must call it;
+    /// `partial` may be reused afterwards, and `down` is written when it returns.
     #[cube]
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn low_rank_down(
         x: &Tensor<f32>,
         start: usize,
         step: usize,
         a: &Tensor<f32>,
-        j: usize,
-        keep: f32,
-    ) -> f32 {
-        let mut value = 0.0f32;
-        if keep != 0.0 {
-            let mut sum = 0.0f32;
-            let mut i = 0usize;
-            while i < a.shape(1) {
-                sum += x[start + i * step] * a[j * a.stride(0) + i * a.stride(1)];
-                i += 1;
+        mask: &Tensor<f32>,
+        mask_start: usize,
+        partial: &mut Shared<[f32]>,
+        down: &mut Shared<[f32]>,
+        #[comptime] slots: usize,
+        #[comptime] group: usize,
+        #[comptime] masked: bool,
+    ) {
+        let unit = UNIT_POS_X as usize;
+        let units = CUBE_DIM_X as usize;
+        let rank = a.shape(0);
+        let fan_in = a.shape(1);
+        // Each round gives every unit one (rank column, share) pair: `units / group` columns.
+        let mut first = 0usize;
+        while first < slots * group {
+            let pair = first + unit;
+            let j = pair / group;
+            let g = pair % group;
+            let mut keep = 0.0f32;
+            if j < rank {
+                keep = 1.0f32;
+                if masked {
+                    keep = mask[mask_start + j * mask.stride(1)];
+                }
             }
-            value = sum * keep;
+            let mut sum = 0.0f32;
+            if keep != 0.0 {
+                let mut i = g;
+                while i < fan_in {
+                    sum += x[start + i * step] * a[j * a.stride(0) + i * a.stride(1)];
+                    i += group;
+                }
+            }
+            partial[unit] = sum;
+            sync_cube();
+            // A runtime counter (a comptime value would not take the halving below).
+            let mut half = (group / 2).runtime();
+            while half > 0 {
+                if g < half {
+                    let mine = partial[unit];
+                    let theirs = partial[unit + half];
+                    partial[unit] = mine + theirs;
+                }
+                sync_cube();
+                half /= 2;
+            }
+            if g == 0 && j < slots {
+                let whole = partial[unit];
+                down[j] = whole * keep;
+            }
+            // Every group has read its sum before the next round writes `partial`.
+            sync_cube();
+            first += units;
         }
-        value
     }
 
-    /// A LoRA delta's column `c` for one row: `sum_j down[at + j] b[c, j]` over the `rank`
+    /// A LoRA delta's column `c` for one row: `sum_j down[j] b[c, j]` over the `rank`
     /// columns of `b` (`[fan_out, rank]`, any strides), in order, the zero terms skipped.
     #[cube]
-    pub(super) fn low_rank_up(down: &Shared<[f32]>, at: usize, rank: usize, b: &Tensor<f32>, c: usize) -> f32 {
+    pub(super) fn low_rank_up(down: &Shared<[f32]>, rank: usize, b: &Tensor<f32>, c: usize) -> f32 {
         let mut sum = 0.0f32;
         let mut j = 0usize;
         while j < rank {
-            let d = down[at + j];
+            let d = down[j];
             if d != 0.0 {
                 sum += d * b[c * b.stride(0) + j * b.stride(1)];
             }

@@ -18,7 +18,7 @@ use burn::tensor::{DType, Tensor};
 use burn_cubecl::cubecl::prelude::{CubeCount, CubeDim};
 use burn_cubecl::kernel::{into_contiguous, untile};
 
-use super::{apply_tracked, empty_like, rounded_output, row_launch, Primitive, TrackedOp};
+use super::{apply_tracked, empty_like, low_rank_group, rounded_output, row_launch, Primitive, TrackedOp};
 use crate::model::LowRank;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
@@ -53,8 +53,9 @@ mod kernel {
     /// When `low_rank`, `extra` is not read but computed, a LoRA delta over the row's `input`
     /// (`[..., fan_in]`, any strides): `((input A^T) * mask[row / seq]) B^T` for `a` `[rank,
     /// fan_in]`, `b` `[width, rank]` and `mask` `[rows / seq, rank]` (read only `masked`), any
-    /// strides, each product summed in f32 in order along its shared dimension as
-    /// [`super::super::lora`]'s kernel sums it; `slots` is at least the rank.
+    /// strides, each product summed in f32 as [`super::super::lora`]'s kernel sums it
+    /// ([`low_rank_down`], its rank columns split over groups of `group` units); `slots` is the
+    /// rank's power of two.
     #[cube(launch)]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn add_rms_norm_kernel<R: Float>(
@@ -77,6 +78,7 @@ mod kernel {
         #[comptime] low_rank: bool,
         #[comptime] masked: bool,
         #[comptime] slots: usize,
+        #[comptime] group: usize,
         #[comptime] round: bool,
         #[define(R)] _rounded_type: ElemType,
     ) {
@@ -90,21 +92,27 @@ mod kernel {
                 (x.stride(x.rank() - 1), y.stride(y.rank() - 1), extra.stride(extra.rank() - 1));
             let base = row * width;
 
-            // The row's product with each of `A`'s rows, masked, one unit a rank column.
+            // The row's product with each of `A`'s rows, masked, each rank column's sum split
+            // over a group of units as the few-row LoRA kernel splits it.
+            let mut partial = Shared::<[f32]>::new_slice(units);
             let mut down = Shared::<[f32]>::new_slice(slots);
             let rank = a.shape(0);
             if low_rank {
                 let (in_start, in_step) = (row_start(input, row), input.stride(input.rank() - 1));
-                let mut j = unit;
-                while j < rank {
-                    let mut keep = 1.0f32;
-                    if masked {
-                        keep = mask[(row / seq) * mask.stride(0) + j * mask.stride(1)];
-                    }
-                    down[j] = low_rank_down(input, in_start, in_step, a, j, keep);
-                    j += units_here;
-                }
-                sync_cube();
+                let mask_start = (row / seq) * mask.stride(0);
+                low_rank_down(
+                    input,
+                    in_start,
+                    in_step,
+                    a,
+                    mask,
+                    mask_start,
+                    &mut partial,
+                    &mut down,
+                    slots,
+                    group,
+                    masked,
+                );
             }
 
             let mut squares = 0.0f32;
@@ -115,14 +123,13 @@ mod kernel {
                     added += extra[e_start + i * e_step];
                 }
                 if low_rank {
-                    added += low_rank_up(&down, 0, rank, b, i);
+                    added += low_rank_up(&down, rank, b, i);
                 }
                 let v = x[x_start + i * x_step] + added;
                 sum[base + i] = v;
                 squares += v * v;
                 i += units_here;
             }
-            let mut partial = Shared::<[f32]>::new_slice(units);
             let inverse = inverse_rms_of(squares, width, eps, &mut partial);
 
             // Each unit reads back the values it wrote.
@@ -373,6 +380,7 @@ fn launch(
             with_low_rank,
             masked,
             slots,
+            low_rank_group(slots),
             writes,
             rounded_type,
         );
