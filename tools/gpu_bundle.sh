@@ -4,18 +4,26 @@
 # and `gemm` benchmark executables and the integration-test executable `it`, stripped into one
 # xz archive for `tools/gpu_check.sh` (docs/gpu.md, "Checking a build on a GPU machine").
 #
-#   bash tools/gpu_bundle.sh [--autotune] [ARCHIVE]     # default gpu-bundle.tar.xz (about 35 MB without --autotune)
+#   bash tools/gpu_bundle.sh [--autotune] [--no-nvrtc] [ARCHIVE]     # default gpu-bundle.tar.xz (about 35 MB without --autotune)
 #
 # `--autotune` adds `troupe-autotune`, troupe built with `--features autotune` (burn's autotuned
 # kernels), which `tools/gpu_check.sh` then runs beside the plain build. `CARGO_TARGET_DIR` is
 # honoured (a separate one keeps the CPU build's artifacts).
+#
+# Before packing, every variant of troupe's own kernels is compiled by NVRTC for sm_90a
+# (`tools/cuda_kernels_check.sh`, NVRTC from PyPI), and no archive is written if one fails:
+# a kernel NVRTC refuses would fail on the GPU. `--no-nvrtc` skips that (no PyPI at hand).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 autotune=false
-if [ "${1:-}" = "--autotune" ]; then
-    autotune=true
-    shift
-fi
+nvrtc=true
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --autotune) autotune=true; shift ;;
+        --no-nvrtc) nvrtc=false; shift ;;
+        *) break ;;
+    esac
+done
 archive="${1:-gpu-bundle.tar.xz}"
 case "$archive" in
     *.tar.xz) ;;
@@ -41,7 +49,7 @@ for line in sys.stdin:
 # One cargo command for the five, so that the dependencies are built once: with the benchmarks
 # and the tests in the build, cargo unifies the dev-dependencies' features into every crate's,
 # and a `cargo build` of the binary alone would build burn and cubecl a second time.
-targets=(--bin troupe --bench model --bench adapters --bench gemm --test it)
+targets=(--bin troupe --bench model --bench adapters --bench gemm --test it --example cuda_kernels)
 names="troupe model adapters gemm it"
 if $autotune; then
     # First, and copied at once: the plain build below writes the same path.
@@ -51,6 +59,9 @@ if $autotune; then
     names="$names troupe-autotune"
 fi
 executables build --release --features cuda "${targets[@]}" >"$stage/list"
+if $nvrtc; then
+    bash tools/cuda_kernels_check.sh --exe "$(awk '$1 == "cuda_kernels" { print $2 }' "$stage/list" | head -n 1)"
+fi
 for name in troupe model adapters gemm it; do
     path="$(awk -v n="$name" '$1 == n { print $2 }' "$stage/list" | head -n 1)"
     if [ -z "$path" ]; then

@@ -104,14 +104,10 @@ impl DeviceService for CudaServer {
 
         let probe = DeviceProbe::of(device_ptr);
 
-        // Ask the wmma compiler for its supported combinations
         let arch = CudaArchitecture {
             version: arch_version,
             tensor_cores: CudaArchitecture::has_tensor_cores(arch_version, &probe.name),
         };
-        let supported_cmma_combinations = CudaCmmaCompiler::Cpp.supported_cmma_combinations(&arch);
-        let supported_mma_combinations = cuda::supported_mma_combinations(&arch);
-        let supported_scaled_mma_combinations = cuda::supported_scaled_mma_combinations(&arch);
 
         // SAFETY: `device_ptr` is a valid CUDA device. `primary_ctx::retain` returns the
         // primary context which is then set as current for the calling thread.
@@ -133,15 +129,6 @@ impl DeviceService for CudaServer {
         };
         let mem_properties = MemoryDeviceProperties::new(max_memory / 4, mem_alignment as u64)
             .with_max_memory(max_memory);
-
-        let mut comp_opts = CompilationOptions {
-            supports_features: CppSupportedFeatures {
-                fast_math: true,
-                dp4a: arch_version >= 61,
-                ..Default::default()
-            },
-            ..Default::default()
-        };
 
         // SAFETY: `device_ptr` is a valid CUDA device. All `get_attribute` calls query
         // read-only device properties via the CUDA driver API.
@@ -174,8 +161,6 @@ impl DeviceService for CudaServer {
             );
             let num_tensor_cores = tensor_cores_per_sm(&arch);
 
-            comp_opts.warp_size = warp_size as usize;
-
             HardwareProperties {
                 load_width: 128,
                 vector_register_count: None,
@@ -188,11 +173,7 @@ impl DeviceService for CudaServer {
                 max_cube_dim,
                 num_streaming_multiprocessors,
                 num_tensor_cores,
-                min_tensor_cores_dim: if supported_cmma_combinations.is_empty() {
-                    None
-                } else {
-                    Some(8)
-                },
+                min_tensor_cores_dim: min_tensor_cores_dim(&arch),
                 num_cpu_cores: None,
                 last_level_cache_size: None,
                 max_vector_size: VectorSize::MAX,
@@ -200,191 +181,15 @@ impl DeviceService for CudaServer {
             }
         };
 
-        // The compute capability is what PTX is emitted against, so it is both
-        // the compilation namespace and the identity. Built once and shared
-        // with `CudaContext` below, so the two cannot disagree.
-        let fingerprint = format!("ptx_sm{arch_version}");
-
-        let mut device_props = DeviceProperties::new(
-            Default::default(),
-            mem_properties.clone(),
+        let (device_props, comp_opts) = properties_of(
+            &arch,
             hardware_props,
-            TimingMethod::Device,
-            DeviceIdentity {
-                name: probe.name,
-                fingerprint: fingerprint.clone(),
-                physical: Some(probe.physical),
-            },
+            mem_properties.clone(),
+            probe.name,
+            Some(probe.physical),
+            driver_version,
         );
-        register_supported_types(&mut device_props);
-        for kind in [ComplexKind::C32, ComplexKind::C64] {
-            let ty = ElemType::Complex(kind);
-            device_props.register_type_usage(ty, TypeUsage::Conversion | TypeUsage::Buffer);
-            device_props.register_complex_usage(
-                ty,
-                ComplexUsage::Core | ComplexUsage::Compare | ComplexUsage::Math,
-            );
-        }
-        if arch_version >= 60 {
-            device_props.register_atomic_type_usage(
-                Type::atomic(ElemType::Float(FloatKind::F64)),
-                AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
-            );
-        }
-        if arch_version >= 70 {
-            device_props.register_atomic_type_usage(
-                Type::atomic(ElemType::Float(FloatKind::F16)),
-                AtomicUsage::Add,
-            );
-            device_props.register_atomic_type_usage(
-                Type::atomic(Type::new(ElemType::Float(FloatKind::F16)).with_vector_size(2)),
-                AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
-            );
-            device_props.register_opaque_type(OpaqueType::Barrier);
-            device_props.features.plane.insert(Plane::Sync);
-            comp_opts.supports_features.grid_constants = true;
-        }
-
-        if arch_version >= 75 {
-            device_props
-                .features
-                .matmul
-                .ldmatrix
-                .insert(ElemType::Float(FloatKind::F16));
-            device_props
-                .features
-                .matmul
-                .ldmatrix
-                .insert(ElemType::Float(FloatKind::BF16));
-            comp_opts.supports_features.fast_tanh = CUDA_VERSION >= 12080;
-        }
-
-        if arch_version >= 80 {
-            device_props
-                .register_type_usage(ElemType::Float(FloatKind::TF32), TypeUsage::Conversion);
-            device_props.features.copy_async = true;
-        }
-
-        if arch_version >= 90 {
-            device_props.features.tma.insert(Tma::Base);
-            device_props.register_opaque_type(OpaqueType::TensorMap);
-            device_props.features.cube_cluster = true;
-            comp_opts.supports_features.clusters = true;
-            comp_opts.supports_features.elect_sync = true;
-            device_props
-                .features
-                .matmul
-                .stmatrix
-                .insert(ElemType::Float(FloatKind::F16));
-            device_props
-                .features
-                .matmul
-                .stmatrix
-                .insert(ElemType::Float(FloatKind::BF16));
-
-            // bf16 add is only properly supported in sm_90+, even though most bf16 ops are supported
-            // earlier. It's technically supported earlier but is missing the now-required `.noftz`
-            // modifier, so the behavior is broken.
-            for vec in [2, 4, 8] {
-                device_props.register_atomic_type_usage(
-                    Type::atomic(Type::new(FloatKind::BF16).with_vector_size(vec)),
-                    AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
-                );
-                device_props.register_atomic_type_usage(
-                    Type::atomic(Type::new(FloatKind::F16).with_vector_size(vec)),
-                    AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
-                );
-            }
-            // PTX docs say min/max is only supported for vectorized f16/bf16, not sure why it's
-            // not supported for `f16x2` when it's supported for a vector of `f16` and a vector of
-            // `f16x2`. Don't add vectorization of 2 to prevent accidents with optimization code.
-            for vec in [4, 8] {
-                device_props.register_atomic_type_usage(
-                    Type::atomic(Type::new(FloatKind::BF16).with_vector_size(vec)),
-                    AtomicUsage::MinMax,
-                );
-                device_props.register_atomic_type_usage(
-                    Type::atomic(Type::new(FloatKind::F16).with_vector_size(vec)),
-                    AtomicUsage::MinMax,
-                );
-            }
-
-            if CUDA_VERSION > 12080 {
-                device_props.register_atomic_type_usage(
-                    Type::atomic(Type::new(ElemType::Float(FloatKind::F32)).with_vector_size(2)),
-                    AtomicUsage::LoadStore | AtomicUsage::Exchange | AtomicUsage::Add,
-                );
-                device_props.register_atomic_type_usage(
-                    Type::atomic(Type::new(ElemType::Float(FloatKind::F32)).with_vector_size(4)),
-                    AtomicUsage::LoadStore | AtomicUsage::Exchange | AtomicUsage::Add,
-                );
-            }
-        }
-
-        if arch_version >= 100 {
-            device_props.features.tma.insert(Tma::Im2colWide);
-            // Breaks swizzle so disable for now and fix in a PR specifically for this
-            // if CUDA_VERSION >= 12090 {
-            //     device_props.hardware.load_width = 256;
-            // }
-        }
-
-        // NOTE: FP6/FP4 is explicitly not marked as forward compatible, but is compatible within a
-        // major version. Try to keep this up to date with new arch major revisions if they also
-        // implement it.
-        if arch_major == 10 || arch_major == 11 || arch_major == 12 {
-            device_props
-                .register_type_usage(ElemType::Float(FloatKind::E2M1), TypeUsage::Conversion);
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::E2M1x2),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::E2M3),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::E3M2),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-            device_props.register_type_usage(
-                ElemType::Float(FloatKind::UE8M0),
-                TypeUsage::Conversion | TypeUsage::Buffer,
-            );
-
-            if CUDA_VERSION >= 12080 {
-                device_props.features.tma.insert(Tma::SwizzleAtomicity);
-            }
-        }
-
-        device_props.features.memory_reinterpret = true;
-        device_props.features.alignment = true;
-        // `__threadfence` carries a block's writes to device scope.
-        device_props.features.device_memory_scope = true;
-        device_props.features.plane.insert(Plane::Ops);
-        device_props
-            .features
-            .plane
-            .insert(Plane::NonUniformControlFlow);
-
-        register_wmma_features(supported_cmma_combinations, &mut device_props);
-        register_mma_features(supported_mma_combinations, &mut device_props);
-        register_scaled_mma_features(supported_scaled_mma_combinations, &mut device_props);
-
-        // Which backend compiles here decides what may be advertised: the two are not at the
-        // same point, and a feature the selected one cannot honour is a kernel that fails to
-        // compile rather than a slower one.
         let backend = crate::compiler::CudaBackend::default();
-        #[cfg(feature = "llvm")]
-        if backend == crate::compiler::CudaBackend::Llvm {
-            restrict_features(&mut device_props, GpuTarget::Nvptx);
-        }
-
-        let comp_opts = CudaCompilationOptions {
-            cpp: comp_opts,
-            arch: Some(SmArch::new(arch_version, arch.tensor_cores)),
-            ptx_version: PtxVersion::for_driver(driver_version),
-        };
         // The context is current (set above), so the stream lands on it.
         let comm_stream = crate::compute::stream::create_cuda_stream(
             CubeClRuntimeConfig::get().streaming.priority,
@@ -425,6 +230,266 @@ impl DeviceService for CudaServer {
     fn utilities(&self) -> ServerUtilitiesHandle {
         self.utilities() as ServerUtilitiesHandle
     }
+}
+
+/// What a device of `arch` tells the kernels it supports, and the options NVRTC compiles them
+/// with, from what the driver read of it (`hardware`, `mem_properties`, its `name` and
+/// `physical` identity, the driver's version). One function for [`CudaServer`]'s start and for
+/// [`offline_properties`], so a kernel compiled without a device meets the same features.
+fn properties_of(
+    arch: &CudaArchitecture,
+    hardware_props: HardwareProperties,
+    mem_properties: MemoryDeviceProperties,
+    name: String,
+    physical: Option<PhysicalDevice>,
+    driver_version: i32,
+) -> (DeviceProperties, CudaCompilationOptions) {
+    let arch_version = arch.version;
+    let arch_major = arch_version / 10;
+    let supported_cmma_combinations = CudaCmmaCompiler::Cpp.supported_cmma_combinations(arch);
+    let supported_mma_combinations = cuda::supported_mma_combinations(arch);
+    let supported_scaled_mma_combinations = cuda::supported_scaled_mma_combinations(arch);
+    let mut comp_opts = CompilationOptions {
+        supports_features: CppSupportedFeatures {
+            fast_math: true,
+            dp4a: arch_version >= 61,
+            ..Default::default()
+        },
+        warp_size: hardware_props.plane_size_max as usize,
+        ..Default::default()
+    };
+
+    // The compute capability is what PTX is emitted against, so it is both
+    // the compilation namespace and the identity.
+    let fingerprint = format!("ptx_sm{arch_version}");
+
+    let mut device_props = DeviceProperties::new(
+        Default::default(),
+        mem_properties,
+        hardware_props,
+        TimingMethod::Device,
+        DeviceIdentity {
+            name,
+            fingerprint,
+            physical,
+        },
+    );
+    register_supported_types(&mut device_props);
+    for kind in [ComplexKind::C32, ComplexKind::C64] {
+        let ty = ElemType::Complex(kind);
+        device_props.register_type_usage(ty, TypeUsage::Conversion | TypeUsage::Buffer);
+        device_props.register_complex_usage(
+            ty,
+            ComplexUsage::Core | ComplexUsage::Compare | ComplexUsage::Math,
+        );
+    }
+    if arch_version >= 60 {
+        device_props.register_atomic_type_usage(
+            Type::atomic(ElemType::Float(FloatKind::F64)),
+            AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
+        );
+    }
+    if arch_version >= 70 {
+        device_props.register_atomic_type_usage(
+            Type::atomic(ElemType::Float(FloatKind::F16)),
+            AtomicUsage::Add,
+        );
+        device_props.register_atomic_type_usage(
+            Type::atomic(Type::new(ElemType::Float(FloatKind::F16)).with_vector_size(2)),
+            AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
+        );
+        device_props.register_opaque_type(OpaqueType::Barrier);
+        device_props.features.plane.insert(Plane::Sync);
+        comp_opts.supports_features.grid_constants = true;
+    }
+
+    if arch_version >= 75 {
+        device_props
+            .features
+            .matmul
+            .ldmatrix
+            .insert(ElemType::Float(FloatKind::F16));
+        device_props
+            .features
+            .matmul
+            .ldmatrix
+            .insert(ElemType::Float(FloatKind::BF16));
+        comp_opts.supports_features.fast_tanh = CUDA_VERSION >= 12080;
+    }
+
+    if arch_version >= 80 {
+        device_props
+            .register_type_usage(ElemType::Float(FloatKind::TF32), TypeUsage::Conversion);
+        device_props.features.copy_async = true;
+    }
+
+    if arch_version >= 90 {
+        device_props.features.tma.insert(Tma::Base);
+        device_props.register_opaque_type(OpaqueType::TensorMap);
+        device_props.features.cube_cluster = true;
+        comp_opts.supports_features.clusters = true;
+        comp_opts.supports_features.elect_sync = true;
+        device_props
+            .features
+            .matmul
+            .stmatrix
+            .insert(ElemType::Float(FloatKind::F16));
+        device_props
+            .features
+            .matmul
+            .stmatrix
+            .insert(ElemType::Float(FloatKind::BF16));
+
+        // bf16 add is only properly supported in sm_90+, even though most bf16 ops are supported
+        // earlier. It's technically supported earlier but is missing the now-required `.noftz`
+        // modifier, so the behavior is broken.
+        for vec in [2, 4, 8] {
+            device_props.register_atomic_type_usage(
+                Type::atomic(Type::new(FloatKind::BF16).with_vector_size(vec)),
+                AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
+            );
+            device_props.register_atomic_type_usage(
+                Type::atomic(Type::new(FloatKind::F16).with_vector_size(vec)),
+                AtomicUsage::Add | AtomicUsage::LoadStore | AtomicUsage::Exchange,
+            );
+        }
+        // PTX docs say min/max is only supported for vectorized f16/bf16, not sure why it's
+        // not supported for `f16x2` when it's supported for a vector of `f16` and a vector of
+        // `f16x2`. Don't add vectorization of 2 to prevent accidents with optimization code.
+        for vec in [4, 8] {
+            device_props.register_atomic_type_usage(
+                Type::atomic(Type::new(FloatKind::BF16).with_vector_size(vec)),
+                AtomicUsage::MinMax,
+            );
+            device_props.register_atomic_type_usage(
+                Type::atomic(Type::new(FloatKind::F16).with_vector_size(vec)),
+                AtomicUsage::MinMax,
+            );
+        }
+
+        if CUDA_VERSION > 12080 {
+            device_props.register_atomic_type_usage(
+                Type::atomic(Type::new(ElemType::Float(FloatKind::F32)).with_vector_size(2)),
+                AtomicUsage::LoadStore | AtomicUsage::Exchange | AtomicUsage::Add,
+            );
+            device_props.register_atomic_type_usage(
+                Type::atomic(Type::new(ElemType::Float(FloatKind::F32)).with_vector_size(4)),
+                AtomicUsage::LoadStore | AtomicUsage::Exchange | AtomicUsage::Add,
+            );
+        }
+    }
+
+    if arch_version >= 100 {
+        device_props.features.tma.insert(Tma::Im2colWide);
+        // Breaks swizzle so disable for now and fix in a PR specifically for this
+        // if CUDA_VERSION >= 12090 {
+        //     device_props.hardware.load_width = 256;
+        // }
+    }
+
+    // NOTE: FP6/FP4 is explicitly not marked as forward compatible, but is compatible within a
+    // major version. Try to keep this up to date with new arch major revisions if they also
+    // implement it.
+    if arch_major == 10 || arch_major == 11 || arch_major == 12 {
+        device_props
+            .register_type_usage(ElemType::Float(FloatKind::E2M1), TypeUsage::Conversion);
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::E2M1x2),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::E2M3),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::E3M2),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+        device_props.register_type_usage(
+            ElemType::Float(FloatKind::UE8M0),
+            TypeUsage::Conversion | TypeUsage::Buffer,
+        );
+
+        if CUDA_VERSION >= 12080 {
+            device_props.features.tma.insert(Tma::SwizzleAtomicity);
+        }
+    }
+
+    device_props.features.memory_reinterpret = true;
+    device_props.features.alignment = true;
+    // `__threadfence` carries a block's writes to device scope.
+    device_props.features.device_memory_scope = true;
+    device_props.features.plane.insert(Plane::Ops);
+    device_props
+        .features
+        .plane
+        .insert(Plane::NonUniformControlFlow);
+
+    register_wmma_features(supported_cmma_combinations, &mut device_props);
+    register_mma_features(supported_mma_combinations, &mut device_props);
+    register_scaled_mma_features(supported_scaled_mma_combinations, &mut device_props);
+
+    // Which backend compiles here decides what may be advertised: the two are not at the
+    // same point, and a feature the selected one cannot honour is a kernel that fails to
+    // compile rather than a slower one.
+    #[cfg(feature = "llvm")]
+    if crate::compiler::CudaBackend::default() == crate::compiler::CudaBackend::Llvm {
+        restrict_features(&mut device_props, GpuTarget::Nvptx);
+    }
+
+    let comp_opts = CudaCompilationOptions {
+        cpp: comp_opts,
+        arch: Some(SmArch::new(arch_version, arch.tensor_cores)),
+        ptx_version: PtxVersion::for_driver(driver_version),
+    };
+    (device_props, comp_opts)
+}
+
+/// The smallest tensor-core tile dimension `arch` offers, if it has tensor cores.
+fn min_tensor_cores_dim(arch: &CudaArchitecture) -> Option<u32> {
+    if CudaCmmaCompiler::Cpp.supported_cmma_combinations(arch).is_empty() {
+        None
+    } else {
+        Some(8)
+    }
+}
+
+/// (troupe's addition) The properties and compilation options of a device of compute capability
+/// `arch_version` (`90` for an H100 or H200) named `name`, under a driver of `driver_version`
+/// (`13000` for CUDA 13.0), built without a device or a driver: the hardware limits are an H100
+/// SXM's (132 SMs, 227 KiB of shared memory a cube, 80 GB). For compiling kernels to CUDA C++ and
+/// checking them with NVRTC on a machine without a GPU; a kernel's source depends on the limits
+/// only through the features they enable.
+pub fn offline_properties(
+    arch_version: u32,
+    name: &str,
+    driver_version: i32,
+) -> (DeviceProperties, CudaCompilationOptions) {
+    let arch = CudaArchitecture {
+        version: arch_version,
+        tensor_cores: CudaArchitecture::has_tensor_cores(arch_version, name),
+    };
+    let max_memory: u64 = 80 << 30;
+    let hardware = HardwareProperties {
+        load_width: 128,
+        vector_register_count: None,
+        plane_size_min: 32,
+        plane_size_max: 32,
+        max_bindings: crate::device::CUDA_MAX_BINDINGS,
+        max_shared_memory_size: 232_448,
+        max_cube_count: (i32::MAX as u32, 65_535, 65_535),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: Some(132),
+        num_tensor_cores: tensor_cores_per_sm(&arch),
+        min_tensor_cores_dim: min_tensor_cores_dim(&arch),
+        num_cpu_cores: None,
+        last_level_cache_size: None,
+        max_vector_size: VectorSize::MAX,
+        cube_mma_reserved_shared_memory: 0,
+    };
+    let mem_properties = MemoryDeviceProperties::new(max_memory / 4, 512).with_max_memory(max_memory);
+    properties_of(&arch, hardware, mem_properties, name.to_string(), None, driver_version)
 }
 
 fn tensor_cores_per_sm(arch: &CudaArchitecture) -> Option<u32> {

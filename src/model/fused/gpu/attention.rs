@@ -34,7 +34,9 @@ use burn_cubecl::kernel::{into_contiguous, untile};
 use super::{apply_tracked, empty_like, into_primitive, row_launch, Primitive, TrackedOp};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -45,9 +47,9 @@ mod kernel {
     /// (`[batch or 1, 1, mask rows, keys]`, nonzero where hidden, any strides) leaves visible,
     /// zeros where it hides every key. Score row `r` reads mask row `r % mask rows`. `units` is
     /// the cube's size, a power of two.
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn masked_softmax_kernel<M: Numeric>(
+    pub(crate) fn masked_softmax_kernel<M: Numeric>(
         scores: &Tensor<f32>,
         mask: &Tensor<M>,
         out: &mut Tensor<f32>,
@@ -110,8 +112,8 @@ mod kernel {
     /// probabilities): `ds` (contiguous, `p`'s shape) gets `scale * p * (dp - sum(p * dp))` for
     /// the probabilities' gradient `dp` (contiguous, `p`'s shape). Hidden keys have `p = 0`, so
     /// their gradient is zero. `units` is the cube's size, a power of two.
-    #[cube(launch)]
-    pub(super) fn softmax_backward_kernel(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn softmax_backward_kernel(
         p: &Tensor<f32>,
         dp: &Tensor<f32>,
         ds: &mut Tensor<f32>,

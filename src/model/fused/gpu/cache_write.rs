@@ -15,15 +15,17 @@ use burn_cubecl::kernel::untile;
 use super::{elementwise_launch, Primitive};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
     /// One unit per value of `keys` (`[batch, heads, seq, head_dim]`, any strides, as `values`):
     /// slot `start + s` of `key_room` and `value_room` (`[batch, heads, room, head_dim]`, any
     /// non-overlapping strides) gets the keys' and the values' slot `s`, cast to `C`.
-    #[cube(launch)]
-    pub(super) fn cache_write_kernel<C: Float>(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn cache_write_kernel<C: Float>(
         keys: &Tensor<f32>,
         values: &Tensor<f32>,
         key_room: &mut Tensor<C>,

@@ -35,7 +35,9 @@ pub const MAX_QUERIES: usize = 1;
 const MAX_HEAD_DIM: usize = 256;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -75,10 +77,10 @@ mod kernel {
     /// `R` too. The keys and values are in `K` (f32, or the half precision a cache is held in),
     /// each widened to f32 as it is read. `units` is the cube's size, a power of two, at least
     /// `head_dim`.
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     // The mask is read only for a key of the row (nested ifs: a kernel's `&&` need not stop early).
     #[allow(clippy::too_many_arguments, clippy::collapsible_if)]
-    pub(super) fn decode_attention_kernel<M: Numeric, G: Numeric, R: Float, K: Float>(
+    pub(crate) fn decode_attention_kernel<M: Numeric, G: Numeric, R: Float, K: Float>(
         q: &Tensor<f32>,
         prompt_k: &Tensor<K>,
         prompt_v: &Tensor<K>,

@@ -20,10 +20,10 @@ use burn_cubecl::kernel::untile;
 use super::{empty_of, low_rank_group, Primitive, MAX_GRID};
 
 /// Output columns a cube takes: its row's first product is computed once for them.
-const COLUMNS: usize = 2048;
+pub(super) const COLUMNS: usize = 2048;
 
 /// Units a cube has.
-const UNITS: usize = 256;
+pub(super) const UNITS: usize = 256;
 
 /// The most rows the kernel is for: past a decoding batch, two products use the device better.
 pub const MAX_ROWS: usize = 64;
@@ -32,7 +32,9 @@ pub const MAX_ROWS: usize = 64;
 pub(super) const MAX_RANK: usize = 256;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -45,9 +47,9 @@ mod kernel {
     /// (`[n, out]`, any strides; read only `onto`). `slots` is the rank's power of two, `group`
     /// the units a rank column's sum is split over ([`super::low_rank_group`]); the cube has
     /// `units` units.
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn lora_delta_kernel(
+    pub(crate) fn lora_delta_kernel(
         x: &Tensor<f32>,
         a: &Tensor<f32>,
         b: &Tensor<f32>,

@@ -59,6 +59,8 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 
 mod attention;
 mod cache_write;
+#[cfg(feature = "cuda")]
+pub mod cuda_source;
 mod decode_attention;
 mod linear;
 mod lora;

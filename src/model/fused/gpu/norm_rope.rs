@@ -20,7 +20,9 @@ use super::{empty_of, row_launch, Primitive};
 const MAX_HEAD_DIM: usize = 256;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -90,9 +92,9 @@ mod kernel {
 
     /// One cube per row of `out` ([`norm_rope_row`]). `units`, the cube's size, is a power of two
     /// at least `head_dim`.
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn rms_norm_rope_kernel(
+    pub(crate) fn rms_norm_rope_kernel(
         x: &Tensor<f32>,
         weight: &Tensor<f32>,
         cos: &Tensor<f32>,
@@ -113,9 +115,9 @@ mod kernel {
     /// The queries' and the keys' rows in one launch: cubes `0..q_rows` take the rows of `q_out`
     /// from `q` with `q_weight`, the next `k_rows` those of `k_out` from `k` with `k_weight`
     /// ([`norm_rope_row`], the same tables and `eps`).
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn rms_norm_rope_pair_kernel(
+    pub(crate) fn rms_norm_rope_pair_kernel(
         q: &Tensor<f32>,
         q_weight: &Tensor<f32>,
         k: &Tensor<f32>,
@@ -149,9 +151,9 @@ mod kernel {
     /// to theirs of `value_room` ([`norm_rope_row`], normalised when `normed`, the same tables
     /// and `eps`). The rooms are `[batch, kv_heads, room, head_dim]` of any non-overlapping
     /// strides, each value cast to `C` as it is written.
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn rope_into_room_kernel<C: Float>(
+    pub(crate) fn rope_into_room_kernel<C: Float>(
         q: &Tensor<f32>,
         q_weight: &Tensor<f32>,
         k: &Tensor<f32>,

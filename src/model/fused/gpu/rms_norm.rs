@@ -22,7 +22,9 @@ use super::{apply_tracked, empty_like, low_rank_group, rounded_output, row_launc
 use crate::model::LowRank;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -56,9 +58,9 @@ mod kernel {
     /// strides, each product summed in f32 as [`super::super::lora`]'s kernel sums it
     /// ([`low_rank_down`], its rank columns split over groups of `group` units); `slots` is the
     /// rank's power of two.
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn add_rms_norm_kernel<R: Float>(
+    pub(crate) fn add_rms_norm_kernel<R: Float>(
         x: &Tensor<f32>,
         y: &Tensor<f32>,
         extra: &Tensor<f32>,
@@ -147,8 +149,8 @@ mod kernel {
 
     /// One cube per row of `x` (`[..., width]`, any strides): `out` (contiguous, `x`'s shape) gets
     /// `x / sqrt(mean(x^2) + eps) * weight`. `units` is the cube's size, a power of two.
-    #[cube(launch)]
-    pub(super) fn rms_norm_kernel(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn rms_norm_kernel(
         x: &Tensor<f32>,
         weight: &Tensor<f32>,
         out: &mut Tensor<f32>,
@@ -178,8 +180,8 @@ mod kernel {
     /// The backward of [`rms_norm_kernel`] in `x` (the weight is frozen): one cube per row,
     /// `dx = g w r - x r^3 (sum g w x) / width` with `r = 1 / sqrt(mean(x^2) + eps)`. `grad` and
     /// `dx` are contiguous, `x`'s shape; `x` has any strides.
-    #[cube(launch)]
-    pub(super) fn rms_norm_backward_kernel(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn rms_norm_backward_kernel(
         x: &Tensor<f32>,
         weight: &Tensor<f32>,
         grad: &Tensor<f32>,

@@ -23,15 +23,17 @@ use burn_cubecl::kernel::{into_contiguous, untile};
 use super::{apply_tracked, elementwise_launch, empty_like, Primitive, TrackedOp};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
     /// One unit per value of `out` (contiguous, `x`'s shape `[batch, heads, seq, head_dim]`):
     /// `x cos + rotate_half(x) sin`, `x` of any strides, `cos` and `sin` `[batch, 1, seq,
     /// head_dim]` of any strides.
-    #[cube(launch)]
-    pub(super) fn rope_kernel(x: &Tensor<f32>, cos: &Tensor<f32>, sin: &Tensor<f32>, out: &mut Tensor<f32>) {
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn rope_kernel(x: &Tensor<f32>, cos: &Tensor<f32>, sin: &Tensor<f32>, out: &mut Tensor<f32>) {
         let index = ABSOLUTE_POS;
         if index < out.len() {
             let dim = x.shape(3);
@@ -55,8 +57,8 @@ mod kernel {
     /// shape `[batch, heads, seq, head_dim]`), `g[j] cos[j] + g[j + half] sin[j + half]` in the
     /// first half and `g[j] cos[j] - g[j - half] sin[j - half]` in the second; `grad` contiguous,
     /// `cos` and `sin` as in the forward.
-    #[cube(launch)]
-    pub(super) fn rope_backward_kernel(grad: &Tensor<f32>, cos: &Tensor<f32>, sin: &Tensor<f32>, dx: &mut Tensor<f32>) {
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn rope_backward_kernel(grad: &Tensor<f32>, cos: &Tensor<f32>, sin: &Tensor<f32>, dx: &mut Tensor<f32>) {
         let index = ABSOLUTE_POS;
         if index < dx.len() {
             let dim = grad.shape(3);

@@ -30,7 +30,9 @@ use super::{empty_of, row_launch};
 const MAX_VOCAB: usize = 1 << 24;
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -141,9 +143,9 @@ mod kernel {
     /// `uniforms[row]` in `[0, 1)` is the row's draw (unused when greedy). `top_k` 0 or at least
     /// `vocab` keeps every token, `top_p` at least 1 the whole mass. `units` is the cube's size, a
     /// power of two.
-    #[cube(launch)]
+    #[cube(launch, create_dummy_kernel)]
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn sample_kernel(
+    pub(crate) fn sample_kernel(
         logits: &Tensor<f32>,
         uniforms: &Tensor<f32>,
         out: &mut Tensor<f32>,

@@ -25,7 +25,9 @@ use super::{
 };
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -48,8 +50,8 @@ mod kernel {
     /// One unit per value of `out` (contiguous, `gate`'s shape): `silu(gate) * up`, `gate` and
     /// `up` of one shape and any strides; when `round`, `rounded` (contiguous, `out`'s shape)
     /// gets the value rounded to `R` too.
-    #[cube(launch)]
-    pub(super) fn swiglu_kernel<R: Float>(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn swiglu_kernel<R: Float>(
         gate: &Tensor<f32>,
         up: &Tensor<f32>,
         out: &mut Tensor<f32>,
@@ -75,8 +77,8 @@ mod kernel {
     /// shape `[..., width]`) writes the gate's gradient `g up s (1 + x (1 - s))` (`x` the gate,
     /// `s` its sigmoid) and `up`'s `g x s` side by side into `d_gate_up` (contiguous, `[...,
     /// 2 width]`), the stacked product's gradient.
-    #[cube(launch)]
-    pub(super) fn swiglu_backward_kernel(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn swiglu_backward_kernel(
         gate: &Tensor<f32>,
         up: &Tensor<f32>,
         grad: &Tensor<f32>,

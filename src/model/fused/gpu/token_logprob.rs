@@ -15,7 +15,9 @@ use burn_cubecl::kernel::untile;
 use super::{empty_of, row_launch, Primitive};
 
 /// The kernel, with cubecl's `Tensor` (not burn's) in scope.
-mod kernel {
+// `create_dummy_kernel`: each kernel built without a device, for `cuda_source`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
@@ -24,8 +26,8 @@ mod kernel {
     /// One cube per row of `logits` (`[rows, vocab]`, any strides): `out[row]` (`[rows]`,
     /// contiguous) gets `logits[row, targets[row]] - ln sum_v e^(logits[row, v])`. `units` is the
     /// cube's size, a power of two.
-    #[cube(launch)]
-    pub(super) fn token_logprob_kernel<T: Numeric>(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn token_logprob_kernel<T: Numeric>(
         logits: &Tensor<f32>,
         targets: &Tensor<T>,
         out: &mut Tensor<f32>,
@@ -49,8 +51,8 @@ mod kernel {
 
     /// [`token_logprob_kernel`], and `complement[row, v] = 1[v = targets[row]] - e^(logits[row, v]
     /// - lse)` (`[rows, vocab]`, contiguous): the log-probability's gradient in the row's logits.
-    #[cube(launch)]
-    pub(super) fn token_logprob_complement_kernel<T: Numeric>(
+    #[cube(launch, create_dummy_kernel)]
+    pub(crate) fn token_logprob_complement_kernel<T: Numeric>(
         logits: &Tensor<f32>,
         targets: &Tensor<T>,
         out: &mut Tensor<f32>,
