@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds, on a machine with a Rust toolchain (no GPU or CUDA toolkit needed), what checking troupe
-# on a GPU machine needs, all with `--features cuda`: the `troupe` binary, the `model`, `adapters`
-# and `gemm` benchmark executables and the integration-test executable `it`, stripped into one
+# on a GPU machine needs, all with `--features cuda`: the `troupe` binary, the `model`, `adapters`,
+# `gemm` and `sampling` benchmark executables and the integration-test executable `it`, stripped into one
 # xz archive for `tools/gpu_check.sh` (docs/gpu.md, "Checking a build on a GPU machine").
 #
 #   bash tools/gpu_bundle.sh [--autotune] [--no-nvrtc] [ARCHIVE]     # default gpu-bundle.tar.xz (about 35 MB without --autotune)
@@ -46,11 +46,11 @@ for line in sys.stdin:
 '
 }
 
-# One cargo command for the five, so that the dependencies are built once: with the benchmarks
+# One cargo command for them all, so that the dependencies are built once: with the benchmarks
 # and the tests in the build, cargo unifies the dev-dependencies' features into every crate's,
 # and a `cargo build` of the binary alone would build burn and cubecl a second time.
-targets=(--bin troupe --bench model --bench adapters --bench gemm --test it --example cuda_kernels)
-names="troupe model adapters gemm it"
+targets=(--bin troupe --bench model --bench adapters --bench gemm --bench sampling --test it --example cuda_kernels)
+names="troupe model adapters gemm sampling it"
 if $autotune; then
     # First, and copied at once: the plain build below writes the same path.
     path="$(executables build --release --features autotune --bin troupe --bench adapters | awk '$1 == "troupe" { print $2 }' | head -n 1)"
@@ -62,7 +62,7 @@ executables build --release --features cuda "${targets[@]}" >"$stage/list"
 if $nvrtc; then
     bash tools/cuda_kernels_check.sh --exe "$(awk '$1 == "cuda_kernels" { print $2 }' "$stage/list" | head -n 1)"
 fi
-for name in troupe model adapters gemm it; do
+for name in troupe model adapters gemm sampling it; do
     path="$(awk -v n="$name" '$1 == n { print $2 }' "$stage/list" | head -n 1)"
     if [ -z "$path" ]; then
         echo "error: cargo built no executable named $name" >&2

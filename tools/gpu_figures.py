@@ -8,8 +8,9 @@ and a Python that has the peers (`pip install -r tools/requirements-peers.txt`):
     python3 tools/gpu_figures.py --device cpu --quick --out /tmp/figures.json   # a smoke run
 
 On a machine without cargo, build the benchmark executables elsewhere
-(`cargo bench --no-run --features cuda --bench model --bench adapters --bench gemm` prints their
-paths), copy them into one folder as `model`, `adapters` and `gemm`, and pass `--benches FOLDER`.
+(`cargo bench --no-run --features cuda --bench model --bench adapters --bench gemm --bench sampling`
+prints their paths), copy them into one folder as `model`, `adapters`, `gemm` and `sampling`, and pass
+`--benches FOLDER`.
 
 Runs, in this order, each part `--reps` times alternating troupe and its peer:
 - kernels (`--kernel-presets`, default `small,qwen3-0.6b`): troupe's criterion benchmarks `model`
@@ -25,6 +26,9 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   on `writing_tldr` with the length reward, 2 agents x `--groups` x `--group-size` replies of
   `--new-tokens` tokens, and TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
   seconds per iteration / step after the first, and each side's peak memory;
+- with `--draw`, decoding's draw on the device alone (`device_draw_64x151936`, milliseconds for
+  64 rows of a Qwen3 vocabulary; top-p 0.95, top-k 50 then top-p 0.9, the whole distribution,
+  greedy; benches/sampling.rs), troupe's only: PyTorch has no one-kernel draw to set beside it;
 - with `--gemm`, before the iterations, the frozen products (`frozen_products_<preset>`, at
   each iteration preset): troupe's benchmark `gemm` times each product of the preset's layers
   and its LM head, `x W^T` and the input's gradient `dy W`, at `--gemm-rows` rows, by each
@@ -216,6 +220,28 @@ def troupe_kernels(args, criterion_dir, preset):
               ["mean"]["point_estimate"] for k in (1, 8))
     out["mixed32_K8_rel"] = k8 / k1
     return out
+
+
+DRAW_GROUP = "device_draw_64x151936"
+DRAW_SETTINGS = ("top_p_0.95", "top_k_50_top_p_0.9", "plain", "greedy")
+
+
+def device_draw(args, criterion_dir):
+    """Milliseconds a decoding step's draw on the device takes over 64 rows of a Qwen3 vocabulary
+    (benches/sampling.rs's `device_draw_64x151936`, criterion's fastest sample), for each sampling
+    setting; None where the device draws on the host (the CPU), which the benchmark skips."""
+    if args.quick:
+        timing = ["--warm-up-time", "1", "--measurement-time", "1"]
+    elif args.bench_seconds:
+        timing = ["--warm-up-time", "1", "--measurement-time", str(args.bench_seconds)]
+    else:
+        timing = []
+    if args.device == "cpu":
+        return None
+    env = {"TROUPE_DEVICE": args.device, "CARGO_TARGET_DIR": args.target_dir, "TROUPE_GPU_KERNELS": "troupe"}
+    run([*bench_command(args, "sampling"), f"^{DRAW_GROUP}/", *timing], env)
+    return {f"{name}_ms": criterion_fastest.fastest_and_mean_ns(criterion_dir, f"{DRAW_GROUP}/{name}")[0] / 1e6
+            for name in DRAW_SETTINGS}
 
 
 def bench_command(args, name):
@@ -420,6 +446,9 @@ def main():
                    help="the routines --gemm times (TROUPE_MATMUL's names), or `all`")
     p.add_argument("--matmul", default="",
                    help="routines (TROUPE_MATMUL) to run each iteration preset once more with; `best`: --gemm's")
+    p.add_argument("--draw", action="store_true",
+                   help="time decoding's draw on the device alone (64 rows of 151,936 logits; top-p, top-k then "
+                        "top-p, the whole distribution, greedy), after the kernel table")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -443,7 +472,8 @@ def main():
         sys.exit(f"error: --troupe-autotune {args.troupe_autotune}: no such executable")
     if not os.access(args.troupe, os.X_OK):
         sys.exit(f"error: --troupe {args.troupe}: no such executable (cargo build --release first)")
-    needed = ([] if args.skip_kernels else ["model", "adapters"]) + (["gemm"] if args.gemm else [])
+    needed = (([] if args.skip_kernels else ["model", "adapters"]) + (["gemm"] if args.gemm else [])
+              + (["sampling"] if args.draw else []))
     for name in needed if args.benches else ():
         if not os.access(os.path.join(args.benches, name), os.X_OK):
             sys.exit(f"error: --benches {args.benches}: no executable `{name}` in it")
@@ -488,6 +518,10 @@ def main():
                                                             "decode_tok_s_b1": True, "decode_tok_s_b16": True,
                                                             "lora_train_tok_s_b8x128": True}))
             result[f"kernels_{preset}"] = kernels
+            write(args.out, result)
+        if args.draw:
+            result["device_draw_64x151936"] = [device_draw(args, os.path.join(args.target_dir, "criterion"))
+                                               for _ in range(args.reps)]
             write(args.out, result)
         best_kernel = {}
         for preset in args.preset.split(",") if args.gemm else []:

@@ -41,6 +41,23 @@ def test_criterion_fastest_prints_fastest_and_mean(tmp_path):
     assert "prefill_small/b1x128" in out and "not run" in out
 
 
+def test_gpu_figures_draw_reads_each_settings_fastest_sample_and_skips_the_cpu(monkeypatch, tmp_path):
+    commands = []
+    monkeypatch.setattr(gpu_figures, "run", lambda cmd, env=None, log=None: commands.append((cmd, env)) or "")
+    for i, name in enumerate(gpu_figures.DRAW_SETTINGS):
+        # fastest sample (i + 1) * 2e6 ns over 2 iterations: (i + 1) ms a draw.
+        write_bench(tmp_path, f"device_draw_64x151936/{name}", 64, [9e9, (i + 1) * 2e6], [1, 2], 5e6)
+    args = gpu_figures.argparse.Namespace(device="cuda", quick=False, bench_seconds=0.3, target_dir="t",
+                                          benches="/b")
+    got = gpu_figures.device_draw(args, str(tmp_path))
+    assert got == {f"{name}_ms": float(i + 1) for i, name in enumerate(gpu_figures.DRAW_SETTINGS)}
+    cmd, env = commands[0]
+    assert cmd[:2] == ["/b/sampling", "--bench"] and "^device_draw_64x151936/" in cmd
+    assert cmd[cmd.index("--measurement-time") + 1] == "0.3" and env["TROUPE_DEVICE"] == "cuda"
+    args.device = "cpu"
+    assert gpu_figures.device_draw(args, str(tmp_path)) is None and len(commands) == 1
+
+
 def test_gpu_figures_runs_only_the_attention_kernels_asked_for(monkeypatch):
     kernels = []
     def run(cmd, env=None, log=None):

@@ -62,34 +62,58 @@ fn log_softmax_at(logits: &[f32], token: u32) -> f64 {
 
 #[test]
 fn device_draws_are_the_kept_candidates_walked_in_id_order() {
+    check_draws(
+        &[
+            SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
+            SamplingConfig { temperature: 0.8, top_k: 0, top_p: 0.95 },
+            SamplingConfig { temperature: 1.0, top_k: 0, top_p: 0.3 },
+            SamplingConfig { temperature: 1.0, top_k: 40, top_p: 1.0 },
+            SamplingConfig { temperature: 0.7, top_k: 50, top_p: 0.9 },
+            SamplingConfig { temperature: 1.3, top_k: 3, top_p: 0.5 },
+            SamplingConfig::greedy(),
+            SamplingConfig { temperature: 1.0, top_k: 1, top_p: 1.0 },
+        ],
+        11,
+        true,
+    );
+}
+
+#[test]
+fn device_draws_find_boundaries_among_tiny_weights_and_near_the_whole_mass() {
+    check_draws(
+        &[
+            // Most weights 0 or subnormal: the boundary among the few that are not.
+            SamplingConfig { temperature: 0.05, top_k: 0, top_p: 0.999 },
+            // The nucleus a few tokens short of the top-k set.
+            SamplingConfig { temperature: 1.0, top_k: 200, top_p: 0.999_999 },
+        ],
+        12,
+        // All-equal weights keep `ceil(top_p * vocab)` of them, which rounding in f32 against
+        // the definition's f64 may tell apart by one token near an integer.
+        false,
+    );
+}
+
+/// Each config's device draws against [`drawn`], over rows of 7, 300 and 5,000 logits: half of
+/// them from a few values (ties, at the top-k and top-p boundaries too), half continuous, and
+/// the first all equal if `equal_row`.
+fn check_draws(configs: &[SamplingConfig], seed: u64, equal_row: bool) {
     let device = common::test_device();
-    let mut rng = ChaCha8Rng::seed_from_u64(11);
-    let configs = [
-        SamplingConfig { temperature: 1.0, top_k: 0, top_p: 1.0 },
-        SamplingConfig { temperature: 0.8, top_k: 0, top_p: 0.95 },
-        SamplingConfig { temperature: 1.0, top_k: 0, top_p: 0.3 },
-        SamplingConfig { temperature: 1.0, top_k: 40, top_p: 1.0 },
-        SamplingConfig { temperature: 0.7, top_k: 50, top_p: 0.9 },
-        SamplingConfig { temperature: 1.3, top_k: 3, top_p: 0.5 },
-        SamplingConfig::greedy(),
-        SamplingConfig { temperature: 1.0, top_k: 1, top_p: 1.0 },
-    ];
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
     for vocab in [7usize, 300, 5000] {
         let rows = 24;
-        // Half the rows from a few values (ties, at the top-k and top-p boundaries too), half
-        // continuous; one row all equal.
         let mut values: Vec<f32> = Vec::with_capacity(rows * vocab);
         for row in 0..rows {
             for _ in 0..vocab {
                 values.push(match row {
-                    0 => 0.5,
+                    0 if equal_row => 0.5,
                     r if r % 2 == 1 => f32::from(rng.random_range(0u8..12)) * 0.5 - 3.0,
                     _ => rng.random_range(-4.0f32..4.0),
                 });
             }
         }
         let logits = Tensor::<2>::from_data(TensorData::new(values.clone(), [rows, vocab]), &device);
-        for config in &configs {
+        for config in configs {
             if !on_device(&logits, config) {
                 // The CPU draws on the host (as does a GPU asked for burn's composites).
                 let composites = troupe::device::fused_gpu_kernels().is_ok_and(|ours| !ours);

@@ -11,8 +11,9 @@
 //! 3. else finds the kept set of temperature, top-k and top-p as a boundary weight `tau` and a
 //!    number `need`: every token of weight above `tau` is kept, and the first `need` tokens (in
 //!    id order) of weight exactly `tau`, the set the host's key order (weight down, id up)
-//!    keeps. Each boundary is a bisection over the bits of a weight in `[0, 1]` (the weights
-//!    are `e^((x - max) / t)`, so at most 1), one pass per step;
+//!    keeps. Each boundary is a radix select over the bits of a weight in `[0, 1]` (the
+//!    weights are `e^((x - max) / t)`, so at most 1, and order as their bits do), three bits a
+//!    pass, ten passes a boundary;
 //! 4. walks the kept tokens in id order to the uniform draw's share of their mass: each unit
 //!    takes a contiguous chunk of ids, the cube adds the chunks' masses in order, and the unit
 //!    whose range holds the draw walks its chunk.
@@ -97,10 +98,23 @@ pub(super) mod kernel {
         cube_reduce(partial, sum, false)
     }
 
+    /// The bits of a weight one pass of [`boundary`] resolves, and the bins it sorts them into.
+    const DIGIT_BITS: u32 = 3;
+    const BINS: usize = 8;
+    const DIGIT_MASK: u32 = 7;
+    /// The passes that resolve a weight's 30 low bits (bits 30 and 31 are 0 in `[0, 1]`).
+    const LEVELS: u32 = 10;
+
     /// The largest weight `tau` whose tokens at or above it measure at least `goal` (their count,
-    /// or their mass), by bisection over the weight's bits, and the measure of the tokens above
-    /// it. Below `floor` every threshold measures `floor_measure` without a pass (the top-k
-    /// set's mass, under top-p); pass `floor = -1` for none. Every unit must call it.
+    /// or their mass), and the measure of the tokens above it; `0` if even every token measures
+    /// less (rounding). Only tokens of weight above `floor` are measured (pass `-1` for all).
+    ///
+    /// A radix select over the weight's bits (a weight in `[0, 1]` orders as its bits do), three
+    /// bits a pass from the top: each pass sorts the tokens that share the bits chosen so far into
+    /// eight bins by their next three bits, each unit its own bins (`hist`, `[BINS, units]`, a
+    /// unit's column), the cube adds the columns as a tree, and every unit takes the highest bin
+    /// whose tokens, with those above it, reach the goal. Ten passes over the row, in a fixed
+    /// order of additions. Every unit must call it.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn boundary(
@@ -112,30 +126,80 @@ pub(super) mod kernel {
         temperature: f32,
         goal: f32,
         floor: f32,
-        floor_measure: f32,
-        partial: &mut Shared<[f32]>,
+        hist: &mut Shared<[f32]>,
+        #[comptime] units: usize,
         #[comptime] count: bool,
     ) -> (f32, f32) {
-        // At bits `lo` the measure reaches the goal (a threshold of 0 takes every token); at `hi`
-        // it does not (no weight exceeds 1).
-        let mut lo = u32::new(0);
-        let mut hi = u32::new(ONE_BITS as i64 + 1);
+        let unit = UNIT_POS_X as usize;
+        let mut prefix = u32::new(0);
         let mut above = f32::new(0.0);
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            let threshold = f32::from_bits(mid);
-            let mut measured = floor_measure;
-            if threshold > floor {
-                measured = measure_from(logits, start, step, vocab, row_max, temperature, threshold, partial, count);
+        let mut level = u32::new(0);
+        while level < LEVELS {
+            let shift = (LEVELS - 1 - level) * DIGIT_BITS;
+            let high = shift + DIGIT_BITS;
+            let mut b = 0usize;
+            while b < BINS {
+                hist[b * units + unit] = 0.0;
+                b += 1;
             }
-            if measured >= goal {
-                lo = mid;
-            } else {
-                hi = mid;
-                above = measured;
+            let mut i = unit;
+            while i < vocab {
+                let w = weight_of(logits[start + i * step], row_max, temperature);
+                let bits = u32::reinterpret(w);
+                if w > floor && (bits >> high) == (prefix >> high) {
+                    let slot = usize::cast_from((bits >> shift) & DIGIT_MASK) * units + unit;
+                    let mut add = w;
+                    if count {
+                        add = 1.0;
+                    }
+                    let sum = hist[slot] + add;
+                    hist[slot] = sum;
+                }
+                i += units;
             }
+            let mut half = CUBE_DIM_X as usize / 2;
+            while half > 0 {
+                sync_cube();
+                if unit < half {
+                    let mut b = 0usize;
+                    while b < BINS {
+                        let pair = hist[b * units + unit] + hist[b * units + unit + half];
+                        hist[b * units + unit] = pair;
+                        b += 1;
+                    }
+                }
+                half /= 2;
+            }
+            sync_cube();
+            // From the highest bin down: the first whose tokens and those above reach the goal.
+            let mut reached = above;
+            let mut chosen = 0usize;
+            let mut chosen_above = above;
+            let mut found = false;
+            let mut down = 0usize;
+            while down < BINS {
+                let d = BINS - 1 - down;
+                let next = reached + hist[d * units];
+                if !found && (next >= goal || d == 0) {
+                    found = true;
+                    chosen = d;
+                    chosen_above = reached;
+                }
+                reached = next;
+                down += 1;
+            }
+            prefix |= u32::cast_from(chosen) << shift;
+            above = chosen_above;
+            // Every unit has read the bins before the next pass clears its own.
+            sync_cube();
+            level += 1;
         }
-        (f32::from_bits(lo), above)
+        // A goal of 0 or below is met past every weight: the boundary is the largest weight, 1.
+        if prefix > ONE_BITS {
+            prefix = ONE_BITS;
+            above = 0.0;
+        }
+        (f32::from_bits(prefix), above)
     }
 
     /// One cube per row of `logits` (`[rows, vocab]`, any strides): `out[row, 0]` (`[rows, 2]`,
@@ -189,14 +253,16 @@ pub(super) mod kernel {
                 let mut tau = f32::new(0.0);
                 let mut need = size;
                 let mut kept_mass = total;
+                let mut mass_above = f32::new(0.0);
+                let mut hist = Shared::<[f32]>::new_slice(units * BINS);
                 let with_top_k = top_k > 0 && usize::cast_from(top_k) < vocab;
                 if with_top_k {
                     let k = f32::cast_from(top_k);
                     let (at, above) =
-                        boundary(logits, start, step, vocab, row_max, temperature, k, -1.0, 0.0, &mut partial, true);
+                        boundary(logits, start, step, vocab, row_max, temperature, k, -1.0, &mut hist, units, true);
                     tau = at;
                     need = k - above;
-                    let mass_above = measure_from(
+                    mass_above = measure_from(
                         logits,
                         start,
                         step,
@@ -215,7 +281,7 @@ pub(super) mod kernel {
                     if with_top_k {
                         floor = tau;
                     }
-                    let (at, above) = boundary(
+                    let (mut at, mut above) = boundary(
                         logits,
                         start,
                         step,
@@ -224,10 +290,15 @@ pub(super) mod kernel {
                         temperature,
                         goal,
                         floor,
-                        kept_mass,
-                        &mut partial,
+                        &mut hist,
+                        units,
                         false,
                     );
+                    // At or below the top-k boundary every threshold measures the whole top-k set.
+                    if with_top_k && at <= tau {
+                        at = tau;
+                        above = mass_above;
+                    }
                     let mut ties = size;
                     if at > 0.0 {
                         ties = max(f32::ceil((goal - above) / at), 1.0);
