@@ -254,6 +254,20 @@ mod cube {
         step: usize,
         partial: &mut Shared<[f32]>,
     ) -> (f32, f32) {
+        let (row_max, total) = row_max_sum(logits, start, step, partial);
+        (row_max, f32::ln(total) + row_max)
+    }
+
+    /// The maximum of a row of `logits` (as for [`row_max_lse`]) and `sum_v e^(logits[v] - max)`,
+    /// the two reductions [`row_max_lse`] makes. Every unit of the cube must call it; `partial`
+    /// may be reused afterwards.
+    #[cube]
+    pub(super) fn row_max_sum(
+        logits: &Tensor<f32>,
+        start: usize,
+        step: usize,
+        partial: &mut Shared<[f32]>,
+    ) -> (f32, f32) {
         let unit = UNIT_POS_X as usize;
         let stride = CUBE_DIM_X as usize;
         let vocab = logits.shape(1);
@@ -272,7 +286,7 @@ mod cube {
             i += stride;
         }
         let total = cube_reduce(partial, sum, false);
-        (row_max, f32::ln(total) + row_max)
+        (row_max, total)
     }
 
     /// `1 / sqrt(mean(v^2) + eps)` over a row of `width` values `x[start + i * step]`: each unit

@@ -15,8 +15,11 @@
 //!    weights are `e^((x - max) / t)`, so at most 1, and order as their bits do), three bits a
 //!    pass, ten passes a boundary;
 //! 4. walks the kept tokens in id order to the uniform draw's share of their mass: each unit
-//!    takes a contiguous chunk of ids, the cube adds the chunks' masses in order, and the unit
-//!    whose range holds the draw walks its chunk.
+//!    takes a contiguous chunk of ids and, in one pass, its mass above `tau` and its ties at
+//!    `tau` (the ties in the chunks before it tell how many of those are kept), the cube adds
+//!    the chunks' kept masses in order, and the unit whose range holds the draw walks its chunk.
+//!
+//! At temperature 1 the weights' sum is the normaliser's, so no pass sums them again.
 //!
 //! The result is `[rows, 2]`: the token (as f32, exact below 2^24) and `x[token] - lse`, the
 //! log-probability the scorer computes ([`super::token_logprobs`]'s order of operations).
@@ -37,7 +40,7 @@ pub(super) mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    use super::super::cube::{cube_reduce, cube_row, row_max_lse};
+    use super::super::cube::{cube_reduce, cube_row, row_max_sum};
 
     /// The bits of 1.0f32: no weight `e^((x - max) / t)` exceeds it.
     const ONE_BITS: u32 = 0x3F80_0000;
@@ -229,7 +232,8 @@ pub(super) mod kernel {
             let start = row * logits.stride(0);
             let step = logits.stride(1);
             let mut partial = Shared::<[f32]>::new_slice(units);
-            let (row_max, lse) = row_max_lse(logits, start, step, &mut partial);
+            let (row_max, sum) = row_max_sum(logits, start, step, &mut partial);
+            let lse = f32::ln(sum) + row_max;
 
             if greedy {
                 // The first index of the maximum: the largest of the negated indices.
@@ -248,7 +252,11 @@ pub(super) mod kernel {
                 }
             } else {
                 let size = f32::cast_from(vocab);
-                let total = measure_from(logits, start, step, vocab, row_max, temperature, 0.0, &mut partial, false);
+                // At temperature 1 the weights are the normaliser's terms, already summed.
+                let mut total = sum;
+                if temperature != 1.0 {
+                    total = measure_from(logits, start, step, vocab, row_max, temperature, 0.0, &mut partial, false);
+                }
                 // The kept set: weights above `tau`, and the first `need` of those equal to it.
                 let mut tau = f32::new(0.0);
                 let mut need = size;
@@ -311,15 +319,21 @@ pub(super) mod kernel {
                     }
                 }
 
-                // Contiguous chunks of ids, one a unit: the ties at `tau` before each chunk, then
-                // each chunk's kept mass, added in unit order.
+                // Contiguous chunks of ids, one a unit, in one pass: each chunk's ties at `tau` and
+                // the mass above it; the ties before a chunk tell how many of its own are kept,
+                // and the chunks' kept masses are added in unit order.
                 let chunk = vocab.div_ceil(units_here);
                 let first = min(unit * chunk, vocab);
                 let end = min(first + chunk, vocab);
                 let mut ties_here = 0.0f32;
+                let mut above_here = 0.0f32;
                 let mut i = first;
                 while i < end {
-                    if weight_of(logits[start + i * step], row_max, temperature) == tau {
+                    let w = weight_of(logits[start + i * step], row_max, temperature);
+                    if w > tau {
+                        above_here += w;
+                    }
+                    if w == tau {
                         ties_here += 1.0;
                     }
                     i += 1;
@@ -328,19 +342,8 @@ pub(super) mod kernel {
                 let mut masses = Shared::<[f32]>::new_slice(units);
                 ties[unit] = ties_here;
                 sync_cube();
-                let mut rank = ties_before(&ties, unit);
-                let mut mass_here = 0.0f32;
-                let mut i = first;
-                while i < end {
-                    let w = weight_of(logits[start + i * step], row_max, temperature);
-                    if is_kept(w, tau, rank, need) {
-                        mass_here += w;
-                    }
-                    if w == tau {
-                        rank += 1.0;
-                    }
-                    i += 1;
-                }
+                let kept_ties = min(max(need - ties_before(&ties, unit), 0.0), ties_here);
+                let mass_here = above_here + kept_ties * tau;
                 masses[unit] = mass_here;
                 sync_cube();
                 // Every unit adds the masses in the same order, so all agree on the ranges.
