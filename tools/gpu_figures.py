@@ -26,9 +26,11 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   on `writing_tldr` with the length reward, 2 agents x `--groups` x `--group-size` replies of
   `--new-tokens` tokens, and TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
   seconds per iteration / step after the first, and each side's peak memory;
-- with `--draw`, decoding's draw on the device alone (`device_draw_64x151936`, milliseconds for
-  64 rows of a Qwen3 vocabulary; top-p 0.95, top-k 50 then top-p 0.9, the whole distribution,
-  greedy; benches/sampling.rs), troupe's only: PyTorch has no one-kernel draw to set beside it;
+- with `--draw` on a GPU, decoding's draw alone (`device_draw_64x151936`, microseconds for 64
+  rows of a Qwen3 vocabulary; top-p 0.95, top-k 50 then top-p 0.9, the whole distribution,
+  greedy): troupe's one kernel (benches/sampling.rs) against transformers' `generate` sampling
+  (`peer_bench.py --draw`: its warpers, softmax and torch.multinomial), the ratios above 1 when
+  troupe's is faster;
 - with `--gemm`, before the iterations, the frozen products (`frozen_products_<preset>`, at
   each iteration preset): troupe's benchmark `gemm` times each product of the preset's layers
   and its LM head, `x W^T` and the input's gradient `dy W`, at `--gemm-rows` rows, by each
@@ -227,7 +229,7 @@ DRAW_SETTINGS = ("top_p_0.95", "top_k_50_top_p_0.9", "plain", "greedy")
 
 
 def device_draw(args, criterion_dir):
-    """Milliseconds a decoding step's draw on the device takes over 64 rows of a Qwen3 vocabulary
+    """Microseconds a decoding step's draw on the device takes over 64 rows of a Qwen3 vocabulary
     (benches/sampling.rs's `device_draw_64x151936`, criterion's fastest sample), for each sampling
     setting; None where the device draws on the host (the CPU), which the benchmark skips."""
     if args.quick:
@@ -240,7 +242,7 @@ def device_draw(args, criterion_dir):
         return None
     env = {"TROUPE_DEVICE": args.device, "CARGO_TARGET_DIR": args.target_dir, "TROUPE_GPU_KERNELS": "troupe"}
     run([*bench_command(args, "sampling"), f"^{DRAW_GROUP}/", *timing], env)
-    return {f"{name}_ms": criterion_fastest.fastest_and_mean_ns(criterion_dir, f"{DRAW_GROUP}/{name}")[0] / 1e6
+    return {f"{name}_us": criterion_fastest.fastest_and_mean_ns(criterion_dir, f"{DRAW_GROUP}/{name}")[0] / 1e3
             for name in DRAW_SETTINGS}
 
 
@@ -447,8 +449,8 @@ def main():
     p.add_argument("--matmul", default="",
                    help="routines (TROUPE_MATMUL) to run each iteration preset once more with; `best`: --gemm's")
     p.add_argument("--draw", action="store_true",
-                   help="time decoding's draw on the device alone (64 rows of 151,936 logits; top-p, top-k then "
-                        "top-p, the whole distribution, greedy), after the kernel table")
+                   help="time decoding's draw alone on the GPU (64 rows of 151,936 logits; top-p, top-k then "
+                        "top-p, the whole distribution, greedy) against transformers' sampling, after the kernel table")
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-iteration", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
@@ -519,9 +521,17 @@ def main():
                                                             "lora_train_tok_s_b8x128": True}))
             result[f"kernels_{preset}"] = kernels
             write(args.out, result)
-        if args.draw:
-            result["device_draw_64x151936"] = [device_draw(args, os.path.join(args.target_dir, "criterion"))
-                                               for _ in range(args.reps)]
+        if args.draw and args.device != "cpu":
+            draw = {"troupe": [], "transformers": [], "ratio": []}
+            for _ in range(args.reps):
+                ours = device_draw(args, os.path.join(args.target_dir, "criterion"))
+                peer = last_json(run([args.python, "tools/peer_bench.py", "--draw", "--device", args.device,
+                                      "--threads", str(args.threads)], log=subprocess.DEVNULL), "peer_bench.py --draw")
+                draw["troupe"].append(ours)
+                draw["transformers"].append(peer)
+                # Above 1 when troupe's draw takes less time.
+                draw["ratio"].append({key: peer[key] / ours[key] for key in ours if key in peer})
+            result["device_draw_64x151936"] = draw
             write(args.out, result)
         best_kernel = {}
         for preset in args.preset.split(",") if args.gemm else []:

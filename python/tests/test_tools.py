@@ -45,12 +45,12 @@ def test_gpu_figures_draw_reads_each_settings_fastest_sample_and_skips_the_cpu(m
     commands = []
     monkeypatch.setattr(gpu_figures, "run", lambda cmd, env=None, log=None: commands.append((cmd, env)) or "")
     for i, name in enumerate(gpu_figures.DRAW_SETTINGS):
-        # fastest sample (i + 1) * 2e6 ns over 2 iterations: (i + 1) ms a draw.
+        # fastest sample (i + 1) * 2e6 ns over 2 iterations: (i + 1) * 1000 us a draw.
         write_bench(tmp_path, f"device_draw_64x151936/{name}", 64, [9e9, (i + 1) * 2e6], [1, 2], 5e6)
     args = gpu_figures.argparse.Namespace(device="cuda", quick=False, bench_seconds=0.3, target_dir="t",
                                           benches="/b")
     got = gpu_figures.device_draw(args, str(tmp_path))
-    assert got == {f"{name}_ms": float(i + 1) for i, name in enumerate(gpu_figures.DRAW_SETTINGS)}
+    assert got == {f"{name}_us": (i + 1) * 1e3 for i, name in enumerate(gpu_figures.DRAW_SETTINGS)}
     cmd, env = commands[0]
     assert cmd[:2] == ["/b/sampling", "--bench"] and "^device_draw_64x151936/" in cmd
     assert cmd[cmd.index("--measurement-time") + 1] == "0.3" and env["TROUPE_DEVICE"] == "cuda"
@@ -249,3 +249,29 @@ def test_gpu_figures_refuses_width_steps_that_are_not_positive_counts(tmp_path):
                           "--width-steps", "8,x", "--out", str(tmp_path / "f.json")],
                          capture_output=True, text=True)
     assert got.returncode != 0 and "--width-steps 8,x" in got.stderr, got.stderr
+
+
+def test_gpu_figures_draw_sets_troupes_draw_beside_transformers_sampling(monkeypatch, tmp_path):
+    peers = []
+
+    def run(cmd, env=None, log=None):
+        if "tools/peer_bench.py" in cmd:
+            peers.append(cmd)
+            return json.dumps({"top_p_0.95_us": 300.0, "greedy_us": 20.0}) + "\n"
+        return ""
+
+    monkeypatch.setattr(gpu_figures, "run", run)
+    monkeypatch.setattr(gpu_figures, "device_draw", lambda args, root: {"top_p_0.95_us": 100.0, "greedy_us": 40.0})
+    monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
+    troupe = tmp_path / "troupe"
+    troupe.write_text("#!/bin/sh\n")
+    troupe.chmod(0o755)
+    out = tmp_path / "figures.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cuda", "--troupe", str(troupe), "--reps", "2",
+                                      "--skip-kernels", "--skip-iteration", "--skip-memory", "--draw",
+                                      "--out", str(out)])
+    gpu_figures.main()
+    got = json.load(open(out))["device_draw_64x151936"]
+    assert len(peers) == 2 and "--draw" in peers[0] and peers[0][peers[0].index("--device") + 1] == "cuda"
+    assert got["ratio"] == [{"top_p_0.95_us": 3.0, "greedy_us": 0.5}] * 2
+    assert got["troupe"][0]["top_p_0.95_us"] == 100.0 and got["transformers"][1]["greedy_us"] == 20.0
