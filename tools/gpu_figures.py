@@ -169,6 +169,16 @@ def machine(device, python):
     return info
 
 
+def criterion_timing(args):
+    """Criterion's arguments for the measurement's length: its shortest with `--quick`, else
+    `--bench-seconds` a benchmark (warm-up 1 s), else criterion's own."""
+    if args.quick:
+        return ["--warm-up-time", "1", "--measurement-time", "1"]
+    if args.bench_seconds:
+        return ["--warm-up-time", "1", "--measurement-time", str(args.bench_seconds)]
+    return []
+
+
 def tokens_per_second(criterion_dir, names):
     """Tokens/s of each benchmark in `names` (benchmark id -> key), from criterion's fastest sample
     of its latest run."""
@@ -186,12 +196,7 @@ def troupe_kernels(args, criterion_dir, preset):
     fastest sample, the estimator the peer reports) and the mixed batch's K=8 / K=1 time. The
     prefill / decode benchmarks run with each attention kernel, materialized first: criterion keeps
     a benchmark's latest run only, so each run is read before the next."""
-    if args.quick:
-        timing = ["--warm-up-time", "1", "--measurement-time", "1"]
-    elif args.bench_seconds:
-        timing = ["--warm-up-time", "1", "--measurement-time", str(args.bench_seconds)]
-    else:
-        timing = []
+    timing = criterion_timing(args)
     env = {"TROUPE_DEVICE": args.device, "TROUPE_DTYPE": args.dtype, "CARGO_TARGET_DIR": args.target_dir,
            "TROUPE_ATTENTION": "materialized", "TROUPE_BENCH_PRESETS": preset, "TROUPE_GPU_KERNELS": "troupe"}
     # benches/adapters.rs names the small preset's groups without a suffix.
@@ -232,12 +237,7 @@ def device_draw(args, criterion_dir):
     """Microseconds a decoding step's draw on the device takes over 64 rows of a Qwen3 vocabulary
     (benches/sampling.rs's `device_draw_64x151936`, criterion's fastest sample), for each sampling
     setting; None where the device draws on the host (the CPU), which the benchmark skips."""
-    if args.quick:
-        timing = ["--warm-up-time", "1", "--measurement-time", "1"]
-    elif args.bench_seconds:
-        timing = ["--warm-up-time", "1", "--measurement-time", str(args.bench_seconds)]
-    else:
-        timing = []
+    timing = criterion_timing(args)
     if args.device == "cpu":
         return None
     env = {"TROUPE_DEVICE": args.device, "CARGO_TARGET_DIR": args.target_dir, "TROUPE_GPU_KERNELS": "troupe"}

@@ -143,6 +143,14 @@ def test_gpu_figures_iteration_reads_each_phases_device_memory(monkeypatch, tmp_
     assert got["phase_memory_mib"] == [{"decode": 300.0, "backward": 900.0, "reserved": 2000.0}, {}]
 
 
+def fake_troupe(tmp_path):
+    """An executable standing in for the troupe binary, which the stubbed runs never start."""
+    troupe = tmp_path / "troupe"
+    troupe.write_text("#!/bin/sh\n")
+    troupe.chmod(0o755)
+    return troupe
+
+
 def run_figures_iterations(monkeypatch, tmp_path, flags, seconds):
     """`gpu_figures.py --skip-kernels --skip-memory FLAGS` with troupe's and TRL's runs stubbed:
     each troupe run lasts `seconds(extra, env)`; returns the runs' (extra, env) and the preset's
@@ -158,9 +166,7 @@ def run_figures_iterations(monkeypatch, tmp_path, flags, seconds):
     monkeypatch.setattr(gpu_figures, "gemm_tflops", lambda args: {"tflops": 1.0})
     monkeypatch.setattr(gpu_figures, "run", lambda *a, **k: "")
     monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
-    troupe = tmp_path / "troupe"
-    troupe.write_text("#!/bin/sh\n")
-    troupe.chmod(0o755)
+    troupe = fake_troupe(tmp_path)
     out = tmp_path / "figures.json"
     monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cpu", "--troupe", str(troupe), "--reps", "1",
                                       "--skip-kernels", "--skip-memory", *flags, "--out", str(out)])
@@ -263,9 +269,7 @@ def test_gpu_figures_draw_sets_troupes_draw_beside_transformers_sampling(monkeyp
     monkeypatch.setattr(gpu_figures, "run", run)
     monkeypatch.setattr(gpu_figures, "device_draw", lambda args, root: {"top_p_0.95_us": 100.0, "greedy_us": 40.0})
     monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
-    troupe = tmp_path / "troupe"
-    troupe.write_text("#!/bin/sh\n")
-    troupe.chmod(0o755)
+    troupe = fake_troupe(tmp_path)
     out = tmp_path / "figures.json"
     monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cuda", "--troupe", str(troupe), "--reps", "2",
                                       "--skip-kernels", "--skip-iteration", "--skip-memory", "--draw",
