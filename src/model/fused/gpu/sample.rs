@@ -70,8 +70,8 @@ pub(super) mod kernel {
         rank
     }
 
-    /// The cube's sum over the row of `1` (`count`) or of the weight, for the tokens whose weight
-    /// is at least `threshold`. Every unit of the cube must call it.
+    /// The cube's sum of the weights at least `threshold` over the row. Every unit of the cube
+    /// must call it.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn measure_from(
@@ -83,18 +83,13 @@ pub(super) mod kernel {
         temperature: f32,
         threshold: f32,
         partial: &mut Shared<[f32]>,
-        #[comptime] count: bool,
     ) -> f32 {
         let mut sum = 0.0f32;
         let mut i = UNIT_POS_X as usize;
         while i < vocab {
             let w = weight_of(logits[start + i * step], row_max, temperature);
             if w >= threshold {
-                if count {
-                    sum += 1.0;
-                } else {
-                    sum += w;
-                }
+                sum += w;
             }
             i += CUBE_DIM_X as usize;
         }
@@ -255,7 +250,7 @@ pub(super) mod kernel {
                 // At temperature 1 the weights are the normaliser's terms, already summed.
                 let mut total = sum;
                 if temperature != 1.0 {
-                    total = measure_from(logits, start, step, vocab, row_max, temperature, 0.0, &mut partial, false);
+                    total = measure_from(logits, start, step, vocab, row_max, temperature, 0.0, &mut partial);
                 }
                 // The kept set: weights above `tau`, and the first `need` of those equal to it.
                 let mut tau = f32::new(0.0);
@@ -279,7 +274,6 @@ pub(super) mod kernel {
                         temperature,
                         f32::from_bits(u32::reinterpret(at) + 1),
                         &mut partial,
-                        false,
                     );
                     kept_mass = mass_above + need * at;
                 }
