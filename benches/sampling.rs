@@ -53,7 +53,7 @@ fn bench_device_draw(c: &mut Criterion, rng: &mut ChaCha8Rng) {
     group.throughput(Throughput::Elements(rows as u64));
     for (name, config) in configs {
         let uniforms: Vec<f32> = (0..rows).map(|_| rng.random::<f32>()).collect();
-        group.bench_function(name, |b| b.iter(|| sample_on_device(&logits, &uniforms, &config)));
+        group.bench_function(name, |b| b.iter(|| sample_on_device(&logits, &uniforms, &config).unwrap()));
     }
     group.finish();
 }

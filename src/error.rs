@@ -50,6 +50,15 @@ pub enum TroupeError {
     /// The run directory, its checkpoints, or a training step.
     #[error(transparent)]
     Run(#[from] RunError),
+    /// The device (a GPU) failed a computation, most often for want of memory: found when its
+    /// results were read back ([`crate::readback`]).
+    #[error("the device failed while {during}: {reason}")]
+    Device {
+        /// What troupe was computing (`decoding`, `the update's forward`, ...).
+        during: &'static str,
+        /// The failure in one line, with what to change when it is a want of memory.
+        reason: String,
+    },
 }
 
 /// Loading and using the model: `config.json`, the weights (safetensors, GGUF), the tokenizer,

@@ -13,6 +13,7 @@ pub mod fsutil;
 pub mod generate;
 pub mod model;
 pub mod profile;
+pub mod readback;
 pub mod rl;
 mod section;
 

@@ -280,7 +280,10 @@ pub fn zero_grads(adapter: &LoraAdapter) -> AdapterGrads {
 
 /// The squared L2 norm of all gradients of each adapter, read back from the device at once.
 /// Each factor is summed on its own and the sums are added in f64, site by site.
-pub fn grad_norms_squared<'a>(grads: impl IntoIterator<Item = &'a AdapterGrads>) -> Vec<f64> {
+///
+/// # Errors
+/// [`crate::TroupeError::Device`] when the device failed (the backward that made the gradients).
+pub fn grad_norms_squared<'a>(grads: impl IntoIterator<Item = &'a AdapterGrads>) -> crate::Result<Vec<f64>> {
     let grads: Vec<&AdapterGrads> = grads.into_iter().collect();
     let sums: Vec<Tensor<1>> = grads
         .iter()
@@ -288,11 +291,11 @@ pub fn grad_norms_squared<'a>(grads: impl IntoIterator<Item = &'a AdapterGrads>)
         .flat_map(|(a, b)| [a.clone().square().sum(), b.clone().square().sum()])
         .collect();
     if sums.is_empty() {
-        return vec![0.0; grads.len()];
+        return Ok(vec![0.0; grads.len()]);
     }
-    let sums = Tensor::cat(sums, 0).into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 sums");
+    let sums = crate::readback::to_vec(Tensor::cat(sums, 0), crate::readback::Stage::Update)?;
     let mut next = sums.chunks_exact(2);
-    grads.iter().map(|g| next.by_ref().take(g.len()).map(|ab| f64::from(ab[0]) + f64::from(ab[1])).sum()).collect()
+    Ok(grads.iter().map(|g| next.by_ref().take(g.len()).map(|ab| f64::from(ab[0]) + f64::from(ab[1])).sum()).collect())
 }
 
 impl AdamWConfig {
@@ -487,7 +490,7 @@ mod tests {
                 })
                 .sum()
         };
-        let norms = grad_norms_squared([&g1, &g2]);
+        let norms = grad_norms_squared([&g1, &g2]).unwrap();
         assert_eq!(norms.len(), 2);
         for (got, want) in norms.iter().zip([by_hand(&g1), by_hand(&g2)]) {
             assert!((got - want).abs() <= 1e-5 * want, "{got} vs {want}");

@@ -274,7 +274,7 @@ pub fn score_choices(
     let started = std::time::Instant::now();
     let packed = PackedChoices::new(lm, decisions)?;
     let logliks = candidate_logliks(lm, &packed, score, delta)?;
-    let values = logliks.into_data().try_into_vec::<f32>().expect("log-likelihoods are f32");
+    let values = crate::readback::to_vec(logliks, crate::readback::Stage::Scoring)?;
     crate::profile::since(crate::profile::Phase::Prefill, started);
     Ok(values.chunks(packed.max_candidates).zip(packed.counts()).map(|(row, &n)| row[..n].to_vec()).collect())
 }

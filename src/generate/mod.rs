@@ -19,6 +19,7 @@ use crate::model::fused::token_logprob::log_sum_exp;
 use crate::model::head::head_logprobs;
 use crate::model::prompt_cache::GroupLayout;
 use crate::model::{CausalLm, ForwardArgs, KvCache, ProjectionDelta, SequenceLayout};
+use crate::readback::{self, Stage};
 pub use constrained::{NodeId, TokenTrie, TrieStep};
 use prefix::SharedPrefixes;
 pub use sampler::SamplingConfig;
@@ -119,7 +120,7 @@ fn right_pad<R: AsRef<[u32]>>(lm: &CausalLm, rows: &[R], pad: u32) -> (Vec<Vec<u
 /// # Shapes
 /// `tokens`: `[batch, seq]` -> `batch` rows of `vocab`
 fn last_logits_rows(lm: &CausalLm, tokens: &[Vec<u32>], args: ForwardArgs<'_>) -> Result<LogitRows> {
-    Ok(LogitRows::read(last_logits_tensor(lm, tokens, args)?))
+    LogitRows::read(last_logits_tensor(lm, tokens, args)?)
 }
 
 /// The logits at the last slot of every row after a forward over `tokens`, where the model is.
@@ -143,12 +144,12 @@ struct StepLogits {
 
 impl StepLogits {
     /// The logits on the host, one entry per row.
-    fn read(self) -> LogitRows {
-        let rows = LogitRows::read(self.logits);
-        match self.of_row {
+    fn read(self) -> Result<LogitRows> {
+        let rows = LogitRows::read(self.logits)?;
+        Ok(match self.of_row {
             Some(of_row) => rows.gather(&of_row),
             None => rows,
-        }
+        })
     }
 
     /// One `[rows, vocab]` tensor on the device, the distinct prefixes' rows repeated.
@@ -178,10 +179,10 @@ struct LogitRows {
 
 impl LogitRows {
     /// Reads a `[batch, vocab]` tensor.
-    fn read(logits: Tensor<2>) -> Self {
+    fn read(logits: Tensor<2>) -> Result<Self> {
         let [batch, vocab] = logits.dims();
-        let values = logits.into_data().try_into_vec::<f32>().expect("logits are f32");
-        Self { values, vocab, of_row: (0..batch).collect() }
+        let values = readback::to_vec(logits, Stage::Decoding)?;
+        Ok(Self { values, vocab, of_row: (0..batch).collect() })
     }
 
     /// Rows that repeat these: row `r` of the result is row `rows[r]` of `self` (no copy).
@@ -382,10 +383,10 @@ pub fn generate_rows(
                     rng.random::<f32>()
                 })
                 .collect();
-            let drawn = sampler::sample_on_device(&step.per_row(), &uniforms, &options.sampling);
+            let drawn = sampler::sample_on_device(&step.per_row(), &uniforms, &options.sampling)?;
             drawn.into_iter().enumerate().map(|(row, pick)| (!done[row]).then_some(pick)).collect()
         } else {
-            let rows = step.read();
+            let rows = step.read()?;
             let pick = |row: usize, logits: &[f32], rng: &mut ChaCha8Rng| -> Option<(u32, f32)> {
                 if done[row] {
                     return None;
@@ -690,7 +691,7 @@ pub fn score_rows(lm: &CausalLm, rows: &[Vec<u32>], delta: Option<&dyn Projectio
     let batch = ScoringBatch::new(lm, rows)?;
     let logprobs = next_token_logprobs(lm, &batch, delta)?;
     let [_, width] = logprobs.dims();
-    let values = logprobs.into_data().try_into_vec::<f32>().expect("log-probs are f32");
+    let values = readback::to_vec(logprobs, Stage::Scoring)?;
     Ok(values.chunks(width).zip(&batch.lengths).map(|(row, len)| row[..len - 1].to_vec()).collect())
 }
 

@@ -112,7 +112,14 @@ pub fn on_device(logits: &Tensor<2>, config: &SamplingConfig) -> bool {
 ///
 /// # Shapes
 /// `logits`: `[rows, vocab]`, `uniforms`: `rows` -> `rows` (token, log-prob) pairs
-pub fn sample_on_device(logits: &Tensor<2>, uniforms: &[f32], config: &SamplingConfig) -> Vec<(u32, f32)> {
+///
+/// # Errors
+/// [`crate::TroupeError::Device`] when the device failed (this or an earlier kernel).
+pub fn sample_on_device(
+    logits: &Tensor<2>,
+    uniforms: &[f32],
+    config: &SamplingConfig,
+) -> crate::Result<Vec<(u32, f32)>> {
     #[cfg(any(feature = "cuda", feature = "wgpu"))]
     {
         crate::model::fused::gpu::sample_rows(logits, uniforms, config.temperature, config.top_k, config.top_p)

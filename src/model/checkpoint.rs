@@ -113,7 +113,7 @@ impl CausalLm {
             .collect();
         let hidden: Vec<Tensor<3>> = leaves.iter().flatten().map(|x| self.norm.forward(x.clone())).collect();
         let loss = head(hidden)?;
-        let value: f32 = loss.clone().into_scalar();
+        let value = crate::readback::to_scalar(loss.clone(), crate::readback::Stage::Update)?;
         if !value.is_finite() {
             return Ok(Checkpointed { loss: value, grads: Vec::new() });
         }

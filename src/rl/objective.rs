@@ -19,6 +19,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TroupeError};
+use crate::readback::{self, Stage};
 
 /// Which objective turns a batch into a loss (`training.objective.kind`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -257,7 +258,7 @@ impl Objective {
                 KlEstimator::K3 => k3_estimate(reference.detach(), logprobs),
                 KlEstimator::K1 => logprobs - reference.detach(),
             };
-            stats.kl_sum += f64::from((estimate.clone().detach() * mask).sum().into_scalar::<f32>());
+            stats.kl_sum += f64::from(readback::to_scalar((estimate.clone().detach() * mask).sum(), Stage::Update)?);
             stats.kl_units += terms.units();
             let weight = terms.per_row(&device, |r| (self.kl.coef / terms.denominator[r]) as f32);
             loss = loss + (estimate * weight).sum();
@@ -286,7 +287,7 @@ impl Objective {
         let mut loss = self.surrogate(taken, terms, &mut stats, false);
         if let (Some(reference), true) = (reference, self.kl.coef > 0.0) {
             let kl = (log_policy.clone().exp() * (log_policy - reference.detach())).sum_dim(1);
-            stats.kl_sum += f64::from(kl.clone().detach().sum().into_scalar::<f32>());
+            stats.kl_sum += f64::from(readback::to_scalar(kl.clone().detach().sum(), Stage::Update)?);
             stats.kl_units += terms.units();
             let weight = terms.per_row(&device, |r| (self.kl.coef / terms.denominator[r]) as f32);
             loss = loss + (kl * weight).sum();
@@ -318,7 +319,15 @@ impl Objective {
                     _ => log_ratio.exp(),
                 };
                 let (low, high) = (1.0 - self.config.clip_low, 1.0 + self.config.clip_high);
-                let values = ratio.clone().detach().into_data().try_into_vec::<f32>().unwrap_or_default();
+                // A statistic only: a device failure leaves it empty and the loss's read, which
+                // follows in the same micro-batch, reports it.
+                let values = ratio
+                    .clone()
+                    .detach()
+                    .try_into_data()
+                    .ok()
+                    .and_then(|d| d.try_into_vec::<f32>().ok())
+                    .unwrap_or_default();
                 for (v, c) in values.iter().zip(terms.counted.iter().flatten()) {
                     if *c {
                         stats.ratio_units += 1;

@@ -37,7 +37,7 @@ impl AgentOptimizers {
         lr: f64,
     ) -> Result<BTreeMap<String, f64>> {
         let mut grad_norm = BTreeMap::new();
-        for (name, squared) in grads.keys().zip(grad_norms_squared(grads.values())) {
+        for (name, squared) in grads.keys().zip(grad_norms_squared(grads.values())?) {
             let norm = squared.sqrt();
             if !norm.is_finite() {
                 return Err(TroupeError::Run(RunError::NonFinite {
@@ -69,7 +69,8 @@ impl AgentOptimizers {
             let FlatStep { adapter: updated, params } = self.adamw.step_flat(adapter, &layout, grad, &mut state, lr);
             // The sum of the magnitudes of all the weights: NaN or infinite when any weight is
             // (one number read back from the device per step).
-            let magnitude = f64::from(params.abs().sum().into_scalar::<f32>());
+            let magnitude =
+                f64::from(crate::readback::to_scalar(params.abs().sum(), crate::readback::Stage::Optimizer)?);
             if !magnitude.is_finite() {
                 return Err(TroupeError::non_finite(format!(
                     "adapter {name}'s weights after the step at learning rate {lr:e} are not finite \

@@ -21,6 +21,7 @@ use crate::generate::{checkpointed_completion_loss, completion_logprobs, Scoring
 use crate::model::checkpoint::Checkpointed;
 use crate::model::Model;
 use crate::profile::{self, Phase};
+use crate::readback::{self, Stage};
 
 /// Log-probability given to absent candidates of a padded `choice` row (far below any present).
 const ABSENT_LOGPROB: f32 = -1.0e9;
@@ -125,7 +126,7 @@ impl Scorer<'_> {
             let scoring = ScoringBatch::new(&self.model.lm, &tokens)?;
             let logprobs = completion_logprobs(&self.model.lm, &scoring, &from, None)?.detach();
             let [_, width] = logprobs.dims();
-            let host = logprobs.into_data().try_into_vec::<f32>().expect("log-probs are f32");
+            let host = readback::to_vec(logprobs, Stage::Scoring)?;
             for (i, row) in chunk.iter().enumerate() {
                 values.push(host[i * width..i * width + row.units()].to_vec());
             }
@@ -136,7 +137,7 @@ impl Scorer<'_> {
             let logliks = candidate_logliks(&self.model.lm, &packed, self.choice_score, None)?;
             let policy = choice_log_policy(logliks, self.temperature).detach();
             let width = policy.dims()[1];
-            let host = policy.into_data().try_into_vec::<f32>().expect("log-probs are f32");
+            let host = readback::to_vec(policy, Stage::Scoring)?;
             for (i, &count) in packed.counts().iter().enumerate() {
                 values.push(host[i * width..i * width + count].to_vec());
             }
@@ -430,7 +431,7 @@ fn accumulate(
     used: &BTreeMap<String, LoraAdapter>,
     started: Instant,
 ) -> Result<()> {
-    let value: f32 = loss.clone().into_scalar();
+    let value = readback::to_scalar(loss.clone(), Stage::Update)?;
     profile::since(Phase::UpdateForward, started);
     let backward_started = Instant::now();
     check_finite(value)?;

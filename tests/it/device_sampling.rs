@@ -121,7 +121,7 @@ fn check_draws(configs: &[SamplingConfig], seed: u64, equal_row: bool) {
                 return;
             }
             let uniforms: Vec<f32> = (0..rows).map(|_| rng.random::<f32>()).collect();
-            let got = sample_on_device(&logits, &uniforms, config);
+            let got = sample_on_device(&logits, &uniforms, config).unwrap();
             assert_eq!(got.len(), rows);
             let mut near_edges = 0;
             for (row, &(token, logprob)) in got.iter().enumerate() {
@@ -154,7 +154,7 @@ fn device_draws_follow_the_renormalised_nucleus() {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let uniforms: Vec<f32> = (0..rows).map(|_| rng.random::<f32>()).collect();
     let mut counts = [0usize; 4];
-    for (token, _) in sample_on_device(&logits, &uniforms, &config) {
+    for (token, _) in sample_on_device(&logits, &uniforms, &config).unwrap() {
         counts[token as usize] += 1;
     }
     assert_eq!(counts[3], 0, "the fourth token is outside the nucleus");

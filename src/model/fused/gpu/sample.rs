@@ -417,13 +417,16 @@ pub fn samples(logits: &Tensor<2>, temperature: f32, top_p: f32) -> bool {
 ///
 /// # Shapes
 /// `logits`: `[rows, vocab]`, `uniforms`: `rows` -> `rows` (token, log-prob) pairs
+///
+/// # Errors
+/// [`crate::TroupeError::Device`] when the device failed (this or an earlier kernel).
 pub fn sample_rows(
     logits: &Tensor<2>,
     uniforms: &[f32],
     temperature: f32,
     top_k: usize,
     top_p: f32,
-) -> Vec<(u32, f32)> {
+) -> crate::Result<Vec<(u32, f32)>> {
     assert!(samples(logits, temperature, top_p), "device sampling takes plain f32 logits on a cubecl device");
     let [rows, vocab] = logits.dims();
     assert_eq!(uniforms.len(), rows, "one uniform a row");
@@ -450,7 +453,6 @@ pub fn sample_rows(
         greedy,
         units,
     );
-    let values =
-        Tensor::<2>::from_primitive::<Cube>(out).into_data().try_into_vec::<f32>().expect("the kernel writes f32");
-    values.chunks_exact(2).map(|pair| (pair[0] as u32, pair[1])).collect()
+    let values = crate::readback::to_vec(Tensor::<2>::from_primitive::<Cube>(out), crate::readback::Stage::Decoding)?;
+    Ok(values.chunks_exact(2).map(|pair| (pair[0] as u32, pair[1])).collect())
 }
