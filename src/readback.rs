@@ -78,8 +78,8 @@ pub fn device_error(stage: Stage, failure: impl Display) -> TroupeError {
             let cause = message
                 .lines()
                 .map(str::trim)
-                .filter(|line| !line.is_empty() && !line.starts_with("Caused by") && !line.starts_with("No backtrace"))
-                .last()
+                .rev()
+                .find(|line| !line.is_empty() && !line.starts_with("Caused by") && !line.starts_with("No backtrace"))
                 .unwrap_or("an unknown failure");
             cause.to_string()
         }
@@ -90,7 +90,7 @@ pub fn device_error(stage: Stage, failure: impl Display) -> TroupeError {
 /// `tensor`'s values as f32 on the host (converted from its dtype), or the device's failure.
 pub fn to_vec<const D: usize>(tensor: Tensor<D>, stage: Stage) -> Result<Vec<f32>> {
     let data = tensor.try_into_data().map_err(|e| device_error(stage, e))?;
-    data.convert::<f32>().try_into_vec::<f32>().map_err(|e| device_error(stage, format!("{e:?}")))
+    data.try_cast_as::<f32>().and_then(|d| d.try_into_vec::<f32>()).map_err(|e| device_error(stage, format!("{e:?}")))
 }
 
 /// The one value of `tensor` as f32, or the device's failure.
@@ -134,5 +134,7 @@ mod tests {
         assert_eq!(to_vec(t, Stage::Scoring).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
         let s = Tensor::<1>::from_data([5.5f32], &device);
         assert_eq!(to_scalar(s, Stage::Update).unwrap(), 5.5);
+        let half = Tensor::<1>::from_data([1.5f32, -2.0], &device).cast(burn::tensor::FloatDType::BF16);
+        assert_eq!(to_vec(half, Stage::Scoring).unwrap(), vec![1.5, -2.0]);
     }
 }
