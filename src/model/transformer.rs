@@ -398,8 +398,9 @@ pub struct CausalLm {
     pub lm_head: FrozenLinear,
     rope: RotaryEmbedding,
     device: Device,
-    /// The fingerprint of the f32 weights of a base held in bf16 or f16, taken at load
-    /// ([`super::fingerprint::base_fingerprint`]); `None` for a base in f32 or kept quantized.
+    /// The fingerprint of the f32 weights, taken from the weight source at load
+    /// ([`super::fingerprint::base_fingerprint`]) for a base held in bf16 or f16 or on a GPU;
+    /// `None` for an f32 base on the CPU or one kept quantized.
     source_fingerprint: Option<String>,
     /// Batches of rows are padded to a multiple of this many slots ([`CausalLm::width_step`]).
     width_step: usize,
@@ -1001,8 +1002,13 @@ impl CausalLm {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::load(source, "model.norm", h, config.rms_norm_eps, device)?;
         let rope = RotaryEmbedding::new(config.head_dim, config.rope_theta, config.max_position_embeddings, device);
+        // Taken from the source, not read back from the device, for a base held in half
+        // precision and for any base on a GPU (where a base too big for the card would surface
+        // its failed allocations at that read).
+        let on_cpu = *device == Device::flex();
         let source_fingerprint = match (loader.format, loader.dtype) {
-            (BaseFormat::F32, FloatDType::F32) | (BaseFormat::Quantized, _) => None,
+            (BaseFormat::Quantized, _) => None,
+            (BaseFormat::F32, FloatDType::F32) if on_cpu => None,
             _ => Some(super::fingerprint::source_fingerprint(&config, source)?),
         };
         // On the CPU nothing is compiled: rows are padded only to the longest.

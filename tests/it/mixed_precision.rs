@@ -147,6 +147,21 @@ fn auto_is_f32_on_the_cpu_and_the_base_in_bf16_takes_half_the_memory_with_the_sa
     assert!(err.to_string().contains("model.dtype"), "{err}");
 }
 
+/// On the device of `TROUPE_TEST_DEVICE`, an f32 base's fingerprint, taken from its files (a GPU
+/// reads nothing back at load), is the CPU's, read from the weights it holds: adapters trained
+/// on either move to the other without a warning. On the CPU it compares the CPU with itself.
+#[test]
+fn an_f32_base_has_the_same_fingerprint_on_the_test_device_as_on_the_cpu() {
+    let dir = models_dir().join("tiny-qwen3");
+    let options = LoadOptions::path(&dir).dtype(Precision::F32);
+    let here = Model::load(&options, &test_device()).unwrap();
+    let cpu = Model::load(&options, &burn::tensor::Device::flex()).unwrap();
+    assert_eq!(
+        troupe::model::fingerprint::base_fingerprint(&here.lm),
+        troupe::model::fingerprint::base_fingerprint(&cpu.lm)
+    );
+}
+
 /// Two MAGRPO iterations of 2-player Hanabi on the model in `model_dir` held in bf16.
 fn bf16_run(out_dir: &Path, model_dir: &Path) -> TrainingRun {
     let yaml = format!(
