@@ -54,7 +54,8 @@ pub enum TroupeError {
     /// results were read back ([`crate::readback`]).
     #[error("the device failed while {during}: {reason}")]
     Device {
-        /// What troupe was computing (`decoding`, `scoring`, `computing the update`, ...).
+        /// What troupe was computing (`decoding`, `scoring`, `computing the update`, `stepping the
+        /// optimizer`, `saving the adapters`).
         during: &'static str,
         /// The failure in one line, with what to change when it is a want of memory.
         reason: String,

@@ -25,6 +25,8 @@ pub enum Stage {
     Update,
     /// The optimizer's step (gradient norms, AdamW).
     Optimizer,
+    /// Reading adapters and optimizer state back to write them (checkpoints, `troupe adapters`).
+    Saving,
 }
 
 impl Stage {
@@ -35,6 +37,7 @@ impl Stage {
             Stage::Scoring => "scoring",
             Stage::Update => "computing the update",
             Stage::Optimizer => "stepping the optimizer",
+            Stage::Saving => "saving the adapters",
         }
     }
 
@@ -43,10 +46,15 @@ impl Stage {
         match self {
             Stage::Decoding => {
                 "fewer rows in flight (training.groups_per_iteration x training.group_size, \
-                 runtime.eval_batch_episodes), a shorter action.max_new_tokens, or a smaller model"
+                 runtime.eval_batch_episodes), a shorter action.max_new_tokens, or a smaller model \
+                 (model.dtype: bf16 halves an f32 base)"
             }
-            Stage::Scoring => "fewer rows at a time (runtime.micro_batch_rows), or a smaller model",
-            Stage::Update | Stage::Optimizer => {
+            Stage::Scoring => {
+                "fewer rows at a time (runtime.micro_batch_rows), or a smaller model (model.dtype: bf16 \
+                 halves an f32 base)"
+            }
+            // A save reads what the update and the optimizer computed: their failure shows here.
+            Stage::Update | Stage::Optimizer | Stage::Saving => {
                 "smaller micro-batches (runtime.micro_batch_rows or runtime.micro_batch_tokens), \
                  runtime.gradient_checkpointing: true, or a smaller model"
             }
@@ -118,6 +126,19 @@ mod tests {
              runtime.gradient_checkpointing: true, or a smaller model"
         );
         assert!(!message.contains('\n'));
+    }
+
+    #[test]
+    fn a_base_too_big_is_found_while_decoding_and_a_save_takes_the_updates_remedy() {
+        let failure = "Caused by:\n  can't allocate buffer of size: 1048576";
+        let decoding = device_error(Stage::Decoding, failure).to_string();
+        assert!(
+            decoding.starts_with("the device failed while decoding: out of device memory (an allocation of 1.0 MiB")
+        );
+        assert!(decoding.contains("model.dtype: bf16"), "{decoding}");
+        let saving = device_error(Stage::Saving, failure).to_string();
+        assert!(saving.starts_with("the device failed while saving the adapters: "), "{saving}");
+        assert!(saving.ends_with(Stage::Update.remedy()), "{saving}");
     }
 
     #[test]

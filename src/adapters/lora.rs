@@ -76,17 +76,18 @@ impl LoraAdapter {
         Self { config, pairs }
     }
 
-    /// The adapter's tensors by PEFT name, read back to the host.
-    pub fn to_host(&self) -> BTreeMap<String, HostTensor> {
+    /// The adapter's tensors by PEFT name, read back to the host; a device's failure (one the
+    /// update left unread) is an error, not a panic.
+    pub fn to_host(&self) -> Result<BTreeMap<String, HostTensor>> {
         let mut out = BTreeMap::new();
         for (&site, pair) in &self.pairs {
             for (factor, tensor) in [('A', &pair.a), ('B', &pair.b)] {
                 let shape = tensor.dims().to_vec();
-                let values = tensor.to_data().convert::<f32>().try_into_vec::<f32>().expect("f32 tensor");
+                let values = crate::readback::to_vec(tensor.clone(), crate::readback::Stage::Saving)?;
                 out.insert(peft_key(site, factor), HostTensor { values, shape });
             }
         }
-        out
+        Ok(out)
     }
 
     /// Builds an adapter from PEFT-named tensors, checking every site against the base model:

@@ -82,7 +82,7 @@ pub fn merge_into_model_dir(model_path: &Path, adapter: &LoraAdapter, out: &Path
                 got: weight.shape.clone(),
             }));
         }
-        let delta: Vec<f32> = delta.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 tensor");
+        let delta = crate::readback::to_vec(delta, crate::readback::Stage::Saving)?;
         for (w, d) in weight.values.iter_mut().zip(delta) {
             *w += d;
         }

@@ -83,7 +83,7 @@ fn write_adapter_files(dir: &Path, adapter: &LoraAdapter) -> Result<()> {
     let config = serde_json::to_vec_pretty(&adapter.config.to_peft_json()).expect("JSON values serialize");
     write_atomic(&dir.join(CONFIG_FILE), &config)?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors(&dir.join(WEIGHTS_FILE), &adapter.to_host(), Some(metadata))
+    write_safetensors(&dir.join(WEIGHTS_FILE), &adapter.to_host()?, Some(metadata))
 }
 
 /// Writes adapters (`name -> adapter`) and the manifest as one directory `dir`, replacing any

@@ -545,15 +545,15 @@ pub(crate) mod tests {
     fn an_agent_that_never_acts_keeps_its_adapter_byte_identical() {
         // Agent 0 plays both seats; agent 1 never acts.
         let mut t = trainer(vec![0, 0], 2);
-        let idle_before = t.manager.adapter(1).unwrap().to_host();
-        let active_before = t.manager.adapter(0).unwrap().to_host();
+        let idle_before = t.manager.adapter(1).unwrap().to_host().unwrap();
+        let active_before = t.manager.adapter(0).unwrap().to_host().unwrap();
         let stats = t.step().unwrap();
         assert_eq!(stats.iteration, 1);
         assert!((stats.lr - 5e-3).abs() < 1e-12, "warm-up: half the peak at iteration 1 of 2");
-        assert_eq!(t.manager.adapter(1).unwrap().to_host(), idle_before);
+        assert_eq!(t.manager.adapter(1).unwrap().to_host().unwrap(), idle_before);
         assert!(!t.optimizer_states().contains_key("agent_1"), "no optimizer state for an idle agent");
         if stats.grad_norm.get("agent_0").is_some_and(|norm| *norm > 0.0) {
-            assert_ne!(t.manager.adapter(0).unwrap().to_host(), active_before, "the acting agent learned");
+            assert_ne!(t.manager.adapter(0).unwrap().to_host().unwrap(), active_before, "the acting agent learned");
         }
     }
 
@@ -588,10 +588,10 @@ pub(crate) mod tests {
         plan = t.plan();
         let records = t.play(&plan, 0..plan.episodes()).unwrap();
         assert!(records.iter().flat_map(|r| &r.turns).all(|turn| turn.seat == 0));
-        let idle = t.manager.adapter(1).unwrap().to_host();
+        let idle = t.manager.adapter(1).unwrap().to_host().unwrap();
         let stats = t.learn(&plan, records, 0.0).unwrap();
         assert_eq!(stats.mean_return.keys().collect::<Vec<_>>(), [&0], "no return for an agent that never played");
-        assert_eq!(t.manager.adapter(1).unwrap().to_host(), idle);
+        assert_eq!(t.manager.adapter(1).unwrap().to_host().unwrap(), idle);
         assert!(!t.optimizer_states().contains_key("agent_1"));
     }
 
@@ -624,7 +624,11 @@ pub(crate) mod tests {
         let run = || {
             let mut t = trainer(vec![0, 1], 2);
             let stats = t.step().unwrap();
-            (stats.loss, t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host())
+            (
+                stats.loss,
+                t.manager.adapter(0).unwrap().to_host().unwrap(),
+                t.manager.adapter(1).unwrap().to_host().unwrap(),
+            )
         };
         assert_eq!(run(), run());
     }
@@ -687,7 +691,7 @@ pub(crate) mod tests {
             let mut t = trainer(vec![0, 1], 2);
             t.config.training.groups_per_iteration = 2;
             t.step().unwrap();
-            (t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host())
+            (t.manager.adapter(0).unwrap().to_host().unwrap(), t.manager.adapter(1).unwrap().to_host().unwrap())
         };
         let mut t = trainer(vec![0, 1], 2);
         t.config.training.groups_per_iteration = 2;
@@ -701,7 +705,10 @@ pub(crate) mod tests {
         assert!(t.play(&plan, 2..5).is_err(), "a range beyond the plan is refused");
         let stats = t.learn(&plan, episodes, 0.0).unwrap();
         assert_eq!(stats.iteration, 1);
-        assert_eq!((t.manager.adapter(0).unwrap().to_host(), t.manager.adapter(1).unwrap().to_host()), whole);
+        assert_eq!(
+            (t.manager.adapter(0).unwrap().to_host().unwrap(), t.manager.adapter(1).unwrap().to_host().unwrap()),
+            whole
+        );
         assert!(t.learn(&plan, Vec::new(), 0.0).unwrap_err().to_string().contains("plan is for iteration 1"));
     }
 
