@@ -348,7 +348,7 @@ pub fn generate_rows(
                     )?
                     .holding(lm.cache_dtype())
                 } else {
-                    prompts.select_rows(&share.row_index(&device));
+                    prompts.select_rows(&share.group_of_row, &device);
                     prompts
                 };
                 layout.extend(&step_valid);
@@ -564,7 +564,7 @@ pub fn checkpointed_completion_loss(
         let continues = if lm.shares_prompts() {
             Continues::Shared(GroupLayout::new(&share.group_of_row, share.unique.len(), &device)?)
         } else {
-            Continues::Copied(share.row_index(&device))
+            Continues::Copied(share.group_of_row.clone())
         };
         let streams = [
             Stream {
@@ -620,7 +620,7 @@ fn shared_completion_logprobs(
     let mut cache = if lm.shares_prompts() {
         KvCache::sharing_prompts(cache, &share.group_of_row, None, &device)?
     } else {
-        cache.select_rows(&share.row_index(&device));
+        cache.select_rows(&share.group_of_row, &device);
         cache
     };
     let mut layout = SequenceLayout::new(rows.len());

@@ -5,8 +5,6 @@
 
 use std::collections::HashMap;
 
-use burn::tensor::{Device, Int, Tensor, TensorData};
-
 use crate::model::ProjectionDelta;
 
 /// How the rows of a batch share prefixes: which row stands for each distinct prefix, and
@@ -51,15 +49,6 @@ impl<'a> SharedPrefixes<'a> {
             None => None,
         };
         Some(Self { unique, group_of_row, delta })
-    }
-
-    /// `group_of_row` as an index tensor, for [`crate::model::KvCache::select_rows`].
-    ///
-    /// # Shapes
-    /// -> `[rows]`
-    pub fn row_index(&self, device: &Device) -> Tensor<1, Int> {
-        let index: Vec<i64> = self.group_of_row.iter().map(|&g| g as i64).collect();
-        Tensor::from_data(TensorData::new(index, [self.group_of_row.len()]), device)
     }
 
     /// The delta for the `unique` rows, as the forward's argument.

@@ -253,14 +253,18 @@ impl KvCache {
     /// (a row may be taken several times: a prompt prefilled once, then decoded or scored for
     /// several rows). Differentiable: gradients of the new rows add up in the rows they came from.
     ///
+    /// The rows are given on the host, so nothing is read back from `device` (where a GPU's
+    /// earlier failure would surface as a panic).
+    ///
     /// # Shapes
-    /// `rows`: `[new_batch]`; every layer `[batch, kv_heads, slots, head_dim]` ->
+    /// `rows`: `new_batch` indices; every layer `[batch, kv_heads, slots, head_dim]` ->
     /// `[new_batch, kv_heads, slots, head_dim]`
-    pub fn select_rows(&mut self, rows: &Tensor<1, Int>) {
+    pub fn select_rows(&mut self, rows: &[usize], device: &Device) {
         if let Some(prompt) = self.prompt.as_mut() {
-            let picked: Vec<usize> = rows.to_data().iter::<i64>().map(|r| r as usize).collect();
-            prompt.groups = prompt.groups.pick(&picked, &rows.device());
+            prompt.groups = prompt.groups.pick(rows, device);
         }
+        let index: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+        let rows = Tensor::<1, Int>::from_data(TensorData::new(index, [rows.len()]), device);
         for layer in self.layers.iter_mut() {
             if let Some((keys, values)) = layer.take() {
                 *layer = Some((keys.select(0, rows.clone()), values.select(0, rows.clone())));

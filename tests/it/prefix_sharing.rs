@@ -177,7 +177,6 @@ fn reference_scoring_without_adapters_shares_prompts_too() {
 /// reordered): the next token's hidden states are those over each row's own copy picked alike.
 #[test]
 fn a_shared_prompt_cache_picks_rows_as_a_copied_one_does() {
-    use burn::tensor::{Int, Tensor, TensorData};
     use troupe::model::{ForwardArgs, KvCache, SequenceLayout};
     let (model, _) = setup();
     let lm = &model.lm;
@@ -199,14 +198,13 @@ fn a_shared_prompt_cache_picks_rows_as_a_copied_one_does() {
         ForwardArgs { layout: &layout, cache: Some(&mut filled), delta: None },
     )
     .unwrap();
-    let index = |rows: &[i64]| Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [rows.len()]), &device);
     // Rows 0 and 2 on prompt p, row 1 on q; then rows 1, 2 (row 0 dropped: q's row first).
     let group_of_row = [0usize, 1, 0];
     let mut shared = KvCache::sharing_prompts(filled.clone(), &group_of_row, Some(8), &device).unwrap();
     let mut copied = filled;
-    copied.select_rows(&index(&[0, 1, 0]));
+    copied.select_rows(&[0, 1, 0], &device);
     let next = |cache: &mut KvCache| {
-        cache.select_rows(&index(&[1, 2]));
+        cache.select_rows(&[1, 2], &device);
         let mut layout = SequenceLayout::new(2);
         layout.extend(&[prompt_valid[1].clone(), prompt_valid[0].clone()]);
         let step = layout.step_within(&[vec![true], vec![true]], cache.keys_after(1), &device);
