@@ -564,7 +564,10 @@ pub fn checkpointed_completion_loss(
         let continues = if lm.shares_prompts() {
             Continues::Shared(GroupLayout::new(&share.group_of_row, share.unique.len(), &device)?)
         } else {
-            Continues::Copied(share.group_of_row.clone())
+            Continues::Copied {
+                rows: share.group_of_row.clone(),
+                index: KvCache::row_index(&share.group_of_row, &device),
+            }
         };
         let streams = [
             Stream {

@@ -46,8 +46,13 @@ pub struct Stream<'a> {
 /// Which rows of an earlier [`Stream`] a later one's rows continue, and how they read them.
 #[allow(clippy::large_enum_variant)] // one a stream, made once a micro-batch
 pub enum Continues {
-    /// Row `i` continues row `rows[i]`, on a copy of its keys and values.
-    Copied(Vec<usize>),
+    /// Each row continues an earlier row, on a copy of its keys and values.
+    Copied {
+        /// Row `i` continues row `rows[i]`.
+        rows: Vec<usize>,
+        /// [`KvCache::row_index`]`(rows)`, made once for every layer (`[rows]`).
+        index: Tensor<1, Int>,
+    },
     /// Each row continues its group's row, read in place ([`KvCache::sharing_prompts`]; a
     /// group's prompt held once).
     Shared(GroupLayout),
@@ -186,8 +191,8 @@ impl CausalLm {
             };
             let read_later = streams[s + 1..].iter().any(|t| t.after.as_ref().is_some_and(|(e, _)| *e == s));
             let mut cache = match &stream.after {
-                Some((earlier, Continues::Copied(rows))) => caches[*earlier].clone().map(|mut c| {
-                    c.select_rows(rows, &input.device());
+                Some((earlier, Continues::Copied { rows, index })) => caches[*earlier].clone().map(|mut c| {
+                    c.select_rows_by(rows, index);
                     c
                 }),
                 Some((earlier, Continues::Shared(groups))) => {

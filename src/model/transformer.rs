@@ -260,11 +260,25 @@ impl KvCache {
     /// `rows`: `new_batch` indices; every layer `[batch, kv_heads, slots, head_dim]` ->
     /// `[new_batch, kv_heads, slots, head_dim]`
     pub fn select_rows(&mut self, rows: &[usize], device: &Device) {
-        if let Some(prompt) = self.prompt.as_mut() {
-            prompt.groups = prompt.groups.pick(rows, device);
-        }
+        self.select_rows_by(rows, &Self::row_index(rows, device));
+    }
+
+    /// `rows` as the index tensor [`KvCache::select_rows_by`] takes, for a caller that selects
+    /// the same rows at every layer (made once, not uploaded a layer).
+    ///
+    /// # Shapes
+    /// -> `[rows]`
+    pub fn row_index(rows: &[usize], device: &Device) -> Tensor<1, Int> {
         let index: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
-        let rows = Tensor::<1, Int>::from_data(TensorData::new(index, [rows.len()]), device);
+        Tensor::from_data(TensorData::new(index, [rows.len()]), device)
+    }
+
+    /// [`KvCache::select_rows`] with `index` already [`KvCache::row_index`]`(rows)`.
+    pub fn select_rows_by(&mut self, rows: &[usize], index: &Tensor<1, Int>) {
+        if let Some(prompt) = self.prompt.as_mut() {
+            prompt.groups = prompt.groups.pick(rows, &index.device());
+        }
+        let rows = index;
         for layer in self.layers.iter_mut() {
             if let Some((keys, values)) = layer.take() {
                 *layer = Some((keys.select(0, rows.clone()), values.select(0, rows.clone())));
