@@ -82,9 +82,7 @@ impl LoraAdapter {
         let mut out = BTreeMap::new();
         for (&site, pair) in &self.pairs {
             for (factor, tensor) in [('A', &pair.a), ('B', &pair.b)] {
-                let shape = tensor.dims().to_vec();
-                let values = crate::readback::to_vec(tensor.clone(), crate::readback::Stage::Saving)?;
-                out.insert(peft_key(site, factor), HostTensor { values, shape });
+                out.insert(peft_key(site, factor), HostTensor::read_back(tensor)?);
             }
         }
         Ok(out)

@@ -61,6 +61,13 @@ impl HostTensor {
     pub fn to_device<const D: usize>(&self, device: &Device) -> Tensor<D> {
         Tensor::from_data(TensorData::new(self.values.clone(), self.shape.clone()), device)
     }
+
+    /// `tensor` read back to the host for writing, or the device's failure
+    /// ([`crate::readback::Stage::Saving`]).
+    pub fn read_back<const D: usize>(tensor: &Tensor<D>) -> Result<Self> {
+        let values = crate::readback::to_vec(tensor.clone(), crate::readback::Stage::Saving)?;
+        Ok(Self { values, shape: tensor.dims().to_vec() })
+    }
 }
 
 impl TensorStore {

@@ -278,10 +278,9 @@ impl KvCache {
         if let Some(prompt) = self.prompt.as_mut() {
             prompt.groups = prompt.groups.pick(rows, &index.device());
         }
-        let rows = index;
         for layer in self.layers.iter_mut() {
             if let Some((keys, values)) = layer.take() {
-                *layer = Some((keys.select(0, rows.clone()), values.select(0, rows.clone())));
+                *layer = Some((keys.select(0, index.clone()), values.select(0, index.clone())));
             }
         }
     }
@@ -1030,7 +1029,7 @@ impl CausalLm {
             _ => Some(super::fingerprint::source_fingerprint(&config, source)?),
         };
         // On the CPU nothing is compiled: rows are padded only to the longest.
-        let width_step = if *device == Device::flex() { 1 } else { crate::device::gpu_width_step()? };
+        let width_step = if on_cpu { 1 } else { crate::device::gpu_width_step()? };
         Ok(Self {
             config,
             embed_tokens,

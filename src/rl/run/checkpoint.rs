@@ -133,8 +133,8 @@ pub fn write_checkpoint_files(
         for (&site, (a, b)) in &state.moments() {
             for (factor, moments) in [('A', a), ('B', b)] {
                 let key = format!("{name}/{}", peft_key(site, factor));
-                tensors.insert(format!("{key}/exp_avg"), host(&moments.m)?);
-                tensors.insert(format!("{key}/exp_avg_sq"), host(&moments.v)?);
+                tensors.insert(format!("{key}/exp_avg"), HostTensor::read_back(&moments.m)?);
+                tensors.insert(format!("{key}/exp_avg_sq"), HostTensor::read_back(&moments.v)?);
             }
         }
     }
@@ -142,12 +142,6 @@ pub fn write_checkpoint_files(
     let state = StateFile { format: FORMAT.to_string(), iteration, optimizer_steps, rng: RngState::capture(rng) };
     let json = serde_json::to_vec_pretty(&state).expect("the state serialises");
     write_atomic(&dir.join(STATE_FILE), &json)
-}
-
-/// One optimizer moment read back to the host, or the device's failure.
-fn host(t: &burn::tensor::Tensor<2>) -> Result<HostTensor> {
-    let values = crate::readback::to_vec(t.clone(), crate::readback::Stage::Saving)?;
-    Ok(HostTensor { values, shape: t.dims().to_vec() })
 }
 
 /// Every complete checkpoint of a run, oldest first, as (iteration, directory). Staging
