@@ -8,20 +8,30 @@ use crate::error::{Result, TroupeError};
 
 /// Writes `bytes` to `path` atomically.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |tmp| {
+        let mut file = std::fs::File::create(tmp).map_err(|e| TroupeError::io(path, e))?;
+        file.write_all(bytes).map_err(|e| TroupeError::io(path, e))
+    })
+}
+
+/// Writes `path` atomically through `fill`, which creates and writes the temporary file it is
+/// given (beside `path`; its errors should name `path`). The file is then synced and renamed
+/// over `path`; on any error it is removed and `path` is left as it was.
+pub fn write_atomic_with(path: &Path, fill: impl FnOnce(&Path) -> Result<()>) -> Result<()> {
     let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let file_name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = dir.join(format!(".{file_name}.{}.tmp", std::process::id()));
-    let result = (|| {
-        let mut file = std::fs::File::create(&tmp)?;
-        file.write_all(bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(err) = result {
+    let result = fill(&tmp).and_then(|()| {
+        (|| {
+            std::fs::OpenOptions::new().write(true).open(&tmp)?.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })()
+        .map_err(|e| TroupeError::io(path, e))
+    });
+    if result.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(TroupeError::io(path, err));
     }
-    Ok(())
+    result
 }
 
 /// Builds a directory atomically: `fill` writes into a fresh staging directory beside `dir`,

@@ -2,7 +2,8 @@
 //! byte-level BPE tokenizer trained on an embedded corpus (no download). `troupe init-model`
 //! writes it as a Hugging Face directory that transformers loads as it is.
 
-use std::collections::{BTreeMap, HashMap};
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use rand::SeedableRng;
@@ -14,7 +15,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 use super::config::{ModelConfig, ModelType};
-use super::safetensors_io::{write_safetensors, HostTensor};
+use super::safetensors_io::{write_f32_tensors, F32Tensor, HostTensor};
 use super::tokenizer::TextTokenizer;
 use super::weights::MemoryWeights;
 use crate::error::{ModelError, Result, TroupeError};
@@ -118,25 +119,62 @@ pub fn builtin_tokenizer() -> Result<TextTokenizer> {
     Ok(tokenizer)
 }
 
-/// Random weights for `config` (std 0.02 like transformers' `initializer_range`, norms at 1),
-/// drawn from a `ChaCha8Rng` seeded with `seed`: the same seed gives the same model.
-pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
+/// How one tensor of a built-in model is drawn.
+enum Draw {
+    /// From a normal distribution of this standard deviation, by this generator's state.
+    Normal { std: f32, from: Box<ChaCha8Rng> },
+    /// All ones (the norms' weights).
+    Ones,
+}
+
+/// One tensor of a built-in model: its name, its shape and how its values are drawn.
+struct Planned {
+    name: String,
+    shape: Vec<usize>,
+    draw: Draw,
+}
+
+impl Planned {
+    fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// The tensor's values: the same on every call.
+    fn values(&self) -> Vec<f32> {
+        match &self.draw {
+            Draw::Normal { std, from } => {
+                let normal = Normal::new(0.0f32, *std).expect("valid std");
+                let mut rng = ChaCha8Rng::clone(from);
+                (0..self.len()).map(|_| normal.sample(&mut rng)).collect()
+            }
+            Draw::Ones => vec![1.0; self.len()],
+        }
+    }
+}
+
+/// The tensors of `config`'s random weights (std 0.02 like transformers' `initializer_range`,
+/// norms at 1), drawn in turn from one `ChaCha8Rng` seeded with `seed`: each random tensor keeps
+/// the generator's state where its values start, so any tensor's values can be drawn alone,
+/// in any order, without holding the others'.
+fn plan(config: &ModelConfig, seed: u64) -> Vec<Planned> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let normal = Normal::new(0.0f32, 0.02).expect("valid std");
-    let mut tensors = BTreeMap::new();
+    let mut planned = Vec::new();
     let (h, v) = (config.hidden_size, config.vocab_size);
+    // Saves the generator's state for the tensor, then moves it past the tensor's values.
+    let mut random = |name: String, shape: Vec<usize>, std: f32, rng: &mut ChaCha8Rng| {
+        let tensor = Planned { name, shape, draw: Draw::Normal { std, from: Box::new(rng.clone()) } };
+        let normal = Normal::new(0.0f32, std).expect("valid std");
+        for _ in 0..tensor.len() {
+            let _: f32 = normal.sample(rng);
+        }
+        planned.push(tensor);
+    };
     // The (tied) embeddings get std 1/sqrt(hidden): a random hidden state then gives logits
     // of std about 1 (a mildly uneven first distribution, like a trained model's spread), and
     // one aligned with a token's embedding can lift it by sqrt(hidden) nats. With the blocks'
     // 0.02, the normalised final state could only ever shift a logit by about 2.5 nats, so no
     // adapter could make the model confident of anything.
-    let embedding = Normal::new(0.0f32, 1.0 / (h as f32).sqrt()).expect("valid std");
-    let values = (0..v * h).map(|_| embedding.sample(&mut rng)).collect();
-    tensors.insert("model.embed_tokens.weight".into(), HostTensor { values, shape: vec![v, h] });
-    let mut random = |name: String, shape: Vec<usize>, rng: &mut ChaCha8Rng| {
-        let values = (0..shape.iter().product()).map(|_| normal.sample(rng)).collect();
-        tensors.insert(name, HostTensor { values, shape });
-    };
+    random("model.embed_tokens.weight".into(), vec![v, h], 1.0 / (h as f32).sqrt(), &mut rng);
     let i = config.intermediate_size;
     let q = config.num_attention_heads * config.head_dim;
     let kv = config.num_key_value_heads * config.head_dim;
@@ -152,7 +190,7 @@ pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
             ("mlp.up_proj", vec![i, h]),
             ("mlp.down_proj", vec![h, i]),
         ] {
-            random(format!("{p}.{name}.weight"), shape, &mut rng);
+            random(format!("{p}.{name}.weight"), shape, 0.02, &mut rng);
         }
         ones.push((format!("{p}.input_layernorm.weight"), h));
         ones.push((format!("{p}.post_attention_layernorm.weight"), h));
@@ -162,9 +200,19 @@ pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
         }
     }
     ones.push(("model.norm.weight".into(), h));
-    for (name, n) in ones {
-        tensors.insert(name, HostTensor { values: vec![1.0; n], shape: vec![n] });
-    }
+    planned.extend(ones.into_iter().map(|(name, n)| Planned { name, shape: vec![n], draw: Draw::Ones }));
+    planned
+}
+
+/// Random weights for `config` (see [`plan`]): the same seed gives the same model.
+pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
+    let tensors = plan(config, seed)
+        .into_iter()
+        .map(|t| {
+            let values = t.values();
+            (t.name, HostTensor { values, shape: t.shape })
+        })
+        .collect();
     MemoryWeights { tensors }
 }
 
@@ -174,14 +222,19 @@ pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
 pub fn write_model_dir(out: &Path, preset: Preset, seed: u64) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|e| TroupeError::io(out, e))?;
     let config = preset.config();
-    let weights = init_weights(&config, seed);
     let tokenizer = build_tokenizer()?;
     let json = |value: &serde_json::Value| serde_json::to_vec_pretty(value).expect("JSON values serialize");
     let tokenizer_json = tokenizer.to_string(true).map_err(|e| {
         TroupeError::Model(ModelError::Tokenizer { path: out.join("tokenizer.json"), message: e.to_string() })
     })?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors(&out.join("model.safetensors"), &weights.tensors, Some(metadata))?;
+    // Each tensor is drawn as the file reaches it: `qwen3-4b`'s 16 GB are written holding one
+    // tensor (its 1.6 GB embedding at most), not the model.
+    let tensors = plan(&config, seed).into_iter().map(|t| {
+        let shape = t.shape.clone();
+        (t.name.clone(), F32Tensor::new(shape, move || Cow::Owned(t.values())))
+    });
+    write_f32_tensors(&out.join("model.safetensors"), tensors, Some(metadata))?;
     write_atomic(&out.join("tokenizer.json"), tokenizer_json.as_bytes())?;
     write_atomic(
         &out.join("tokenizer_config.json"),
@@ -289,5 +342,21 @@ mod tests {
         let name = "model.layers.0.self_attn.q_proj.weight";
         assert_eq!(a.tensors[name], b.tensors[name]);
         assert_ne!(a.tensors[name], c.tensors[name]);
+    }
+
+    /// `init-model` draws each tensor as the file reaches it, in safetensors' order, not the
+    /// order the generator runs in: the file holds the same model as memory, value for value.
+    #[test]
+    fn the_written_model_is_the_one_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        write_model_dir(dir.path(), Preset::Tiny, 3).unwrap();
+        let path = dir.path().join("model.safetensors");
+        let store =
+            super::super::safetensors_io::TensorStore::open_files(std::slice::from_ref(&path), path.clone()).unwrap();
+        let memory = init_weights(&Preset::Tiny.config(), 3);
+        assert_eq!(store.names(), memory.tensors.keys().cloned().collect::<Vec<_>>());
+        for (name, tensor) in &memory.tensors {
+            assert_eq!(&store.read(name, Some(&tensor.shape)).unwrap(), tensor, "{name}");
+        }
     }
 }

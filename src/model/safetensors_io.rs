@@ -1,20 +1,25 @@
 //! Reading and writing safetensors files: one file or a sharded set
-//! (`model.safetensors.index.json`), f32/f16/bf16 on disk, f32 in memory. Writes are atomic.
+//! (`model.safetensors.index.json`), f32/f16/bf16 on disk, f32 in memory. Files are mapped,
+//! not read whole, and written a tensor at a time, so neither side holds a file's bytes in
+//! memory. Writes are atomic.
 
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Tensor, TensorData};
-use safetensors::tensor::{Dtype, Metadata};
-use safetensors::SafeTensors;
+use memmap2::{Mmap, UncheckedAdvice};
+use safetensors::tensor::{Dtype, Metadata, View};
+use safetensors::{SafeTensorError, SafeTensors};
 
 use crate::error::{ModelError, Result, TroupeError};
-use crate::fsutil::write_atomic;
+use crate::fsutil::write_atomic_with;
 
-/// One safetensors file held in memory with its parsed (and validated) header.
+/// One safetensors file mapped into memory, with its parsed (and validated) header.
 struct SafetensorsFile {
     path: PathBuf,
-    bytes: Vec<u8>,
+    bytes: Mmap,
     header_len: usize,
     metadata: Metadata,
 }
@@ -108,7 +113,13 @@ impl TensorStore {
         let mut files = Vec::with_capacity(paths.len());
         let mut index = HashMap::new();
         for (file_index, path) in paths.iter().enumerate() {
-            let bytes = std::fs::read(path).map_err(|e| TroupeError::io(path, e))?;
+            let file = std::fs::File::open(path).map_err(|e| TroupeError::io(path, e))?;
+            // SAFETY: the map is read only. Another process truncating or rewriting the file
+            // while it is mapped would change what is read (or end the process with SIGBUS),
+            // as with every loader that maps weights (transformers' `safe_open`, candle);
+            // troupe itself replaces files by renaming a new one over them, which leaves a
+            // mapped file as it was.
+            let bytes = unsafe { Mmap::map(&file) }.map_err(|e| TroupeError::io(path, e))?;
             let (header_len, metadata) = SafeTensors::read_metadata(&bytes).map_err(|e| {
                 TroupeError::Model(ModelError::Safetensors { path: path.clone(), message: describe_error(&e) })
             })?;
@@ -167,8 +178,14 @@ impl TensorStore {
         }
         let start = 8 + file.header_len + info.data_offsets.0;
         let end = 8 + file.header_len + info.data_offsets.1;
-        let raw = &file.bytes[start..end];
-        let values = decode_f32(raw, info.dtype).ok_or_else(|| {
+        let values = decode_f32(&file.bytes[start..end], info.dtype);
+        // The pages just read are dropped from this process's memory: a model is read once,
+        // tensor by tensor, so a load holds no more than the tensor it converts (the page
+        // cache may keep them). SAFETY: the map is read only and never written, so dropping its
+        // pages loses nothing; a later read faults them in again from the file. Advice only: a
+        // failure changes nothing that is read.
+        let _ = unsafe { file.bytes.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start) };
+        let values = values.ok_or_else(|| {
             TroupeError::Model(ModelError::Safetensors {
                 path: file.path.clone(),
                 message: format!("tensor `{name}` has dtype {:?}; troupe reads F32, F16 and BF16", info.dtype),
@@ -204,6 +221,67 @@ fn describe_error(err: &safetensors::SafeTensorError) -> String {
     }
 }
 
+/// An f32 tensor to write: its shape and what gives its values, asked for only when the file
+/// reaches the tensor, so a file is written holding one tensor's bytes at a time.
+pub struct F32Tensor<'a> {
+    shape: Vec<usize>,
+    values: Box<dyn Fn() -> Result<Cow<'a, [f32]>> + 'a>,
+    /// What went wrong giving the values, kept for [`write_f32_tensors`] to return (safetensors
+    /// asks a tensor for bytes and cannot be told it has none).
+    failure: RefCell<Option<Failure>>,
+}
+
+/// Why a tensor being written had no bytes to give.
+enum Failure {
+    /// Its values did not come.
+    Error(TroupeError),
+    /// It was given this many values, not as many as its shape holds.
+    Count(usize),
+}
+
+impl<'a> F32Tensor<'a> {
+    /// A tensor of `shape` whose values `values` gives (as many as the shape holds).
+    pub fn new(shape: Vec<usize>, values: impl Fn() -> Cow<'a, [f32]> + 'a) -> Self {
+        Self::fallible(shape, move || Ok(values()))
+    }
+
+    /// A tensor whose values may fail to come (read from a file, computed): the failure ends
+    /// the write and nothing is left on disk.
+    pub fn fallible(shape: Vec<usize>, values: impl Fn() -> Result<Cow<'a, [f32]>> + 'a) -> Self {
+        Self { shape, values: Box::new(values), failure: RefCell::new(None) }
+    }
+}
+
+impl View for &F32Tensor<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        let expected = self.shape.iter().product::<usize>();
+        match (self.values)() {
+            Ok(values) if values.len() == expected => Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            outcome => {
+                let failure = match outcome {
+                    Ok(values) => Failure::Count(values.len()),
+                    Err(e) => Failure::Error(e),
+                };
+                self.failure.borrow_mut().get_or_insert(failure);
+                // The file is removed after the write: these bytes only keep its layout.
+                Cow::Owned(vec![0; self.data_len()])
+            }
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * 4
+    }
+}
+
 /// Writes f32 tensors to a safetensors file atomically (temp file + rename), with optional
 /// string metadata (`{"format": "pt"}` is what PEFT and transformers write).
 pub fn write_safetensors(
@@ -211,30 +289,102 @@ pub fn write_safetensors(
     tensors: &BTreeMap<String, HostTensor>,
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
-    let bytes_per_tensor: Vec<(String, Vec<u8>, Vec<usize>)> = tensors
+    let tensors = tensors
         .iter()
-        .map(|(name, t)| {
-            let bytes: Vec<u8> = t.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (name.clone(), bytes, t.shape.clone())
-        })
-        .collect();
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes_per_tensor
-        .iter()
-        .map(|(name, bytes, shape)| {
-            let view = safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)
-                .expect("byte length matches shape by construction");
-            (name.clone(), view)
-        })
-        .collect();
-    let serialized = safetensors::serialize(views, metadata).map_err(|e| {
-        TroupeError::Model(ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() })
-    })?;
-    write_atomic(path, &serialized)
+        .map(|(name, t)| (name.clone(), F32Tensor::new(t.shape.clone(), || Cow::Borrowed(t.values.as_slice()))));
+    write_f32_tensors(path, tensors, metadata)
+}
+
+/// Writes `tensors` to a safetensors file atomically, in safetensors' order (by name), each
+/// tensor's values asked for as the file reaches it.
+pub fn write_f32_tensors<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = (String, F32Tensor<'a>)>,
+    metadata: Option<HashMap<String, String>>,
+) -> Result<()> {
+    let tensors: Vec<(String, F32Tensor<'a>)> = tensors.into_iter().collect();
+    write_atomic_with(path, |tmp| {
+        safetensors::serialize_to_file(tensors.iter().map(|(name, t)| (name.as_str(), t)), metadata, tmp).map_err(
+            |e| match e {
+                SafeTensorError::IoError(e) => TroupeError::io(path, e),
+                e => TroupeError::Model(ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() }),
+            },
+        )?;
+        match tensors.iter().find_map(|(name, t)| Some((name, t, t.failure.take()?))) {
+            None => Ok(()),
+            Some((_, _, Failure::Error(e))) => Err(e),
+            Some((name, t, Failure::Count(n))) => Err(TroupeError::Model(ModelError::Safetensors {
+                path: path.to_path_buf(),
+                message: format!(
+                    "tensor `{name}` holds {n} values for shape {:?} ({})",
+                    t.shape,
+                    t.shape.iter().product::<usize>()
+                ),
+            })),
+        }
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A file troupe replaces while it is mapped (a new checkpoint renamed over the old one)
+    /// is read as it was when it was opened.
+    #[test]
+    fn a_mapped_file_replaced_by_a_write_reads_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let tensor = |v: f32| BTreeMap::from([("a".to_string(), HostTensor { values: vec![v; 3], shape: vec![3] })]);
+        write_safetensors(&path, &tensor(1.0), None).unwrap();
+        let store = TensorStore::open_files(std::slice::from_ref(&path), path.clone()).unwrap();
+        write_safetensors(&path, &tensor(2.0), None).unwrap();
+        assert_eq!(store.read("a", None).unwrap().values, vec![1.0; 3]);
+        // Read twice: the pages dropped after the first read come back from the file.
+        assert_eq!(store.read("a", None).unwrap().values, vec![1.0; 3]);
+        let reopened = TensorStore::open_files(std::slice::from_ref(&path), path.clone()).unwrap();
+        assert_eq!(reopened.read("a", None).unwrap().values, vec![2.0; 3]);
+    }
+
+    #[test]
+    fn values_that_do_not_fill_their_shape_are_refused_and_nothing_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let tensors = BTreeMap::from([("w".to_string(), HostTensor { values: vec![0.5; 5], shape: vec![2, 3] })]);
+        let err = write_safetensors(&path, &tensors, None).unwrap_err().to_string();
+        assert!(err.contains("t.safetensors") && err.contains("`w` holds 5 values for shape [2, 3] (6)"), "{err}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no file, no temp file");
+    }
+
+    /// A tensor whose values fail to come (a read, a device) ends the write with that error,
+    /// after the tensors before it were written, and leaves no file behind.
+    #[test]
+    fn a_tensor_that_fails_ends_the_write_and_leaves_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        let tensors = vec![
+            ("a".to_string(), F32Tensor::new(vec![2], || Cow::Owned(vec![1.0, 2.0]))),
+            (
+                "b".to_string(),
+                F32Tensor::fallible(vec![2], || {
+                    Err(TroupeError::io(Path::new("base.bin"), std::io::ErrorKind::UnexpectedEof.into()))
+                }),
+            ),
+        ];
+        let err = write_f32_tensors(&path, tensors, None).unwrap_err().to_string();
+        assert!(err.contains("base.bin"), "{err}");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no file, no temp file");
+    }
+
+    /// An empty file is refused with the reason, not mapped and misread.
+    #[test]
+    fn an_empty_file_is_not_a_safetensors_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("empty.safetensors");
+        std::fs::write(&path, b"").unwrap();
+        let err = TensorStore::open_files(std::slice::from_ref(&path), path.clone()).err().unwrap().to_string();
+        assert!(err.contains("empty.safetensors") && err.contains("not a complete safetensors file"), "{err}");
+    }
 
     #[test]
     fn round_trip_and_shape_check() {
