@@ -23,9 +23,10 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   more with burn's composites in place of troupe's GPU kernels (`TROUPE_GPU_KERNELS=burn`:
   `burn_kernels`, with the ratios `troupe_kernels_over_burn`, above 1 when troupe's are faster);
 - a whole iteration (`--preset`, default qwen3-0.6b; several separated by commas): `troupe train`
-  on `writing_tldr` with the length reward, 2 agents x `--groups` x `--group-size` replies of
-  `--new-tokens` tokens, and TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py`) making as many completions per step;
-  seconds per iteration / step after the first, and each side's peak memory;
+  on `writing_tldr` with `--reward`'s reward, 2 agents x `--groups` x `--group-size` replies of
+  `--new-tokens` tokens, and TRL's GRPOTrainer with PEFT LoRA (`trl_grpo_peer.py --reward`) making as many completions per step;
+  seconds per iteration / step after the first, each side's peak memory, and each side's
+  `frac_reward_zero_std` per iteration / step (the share of groups whose rewards are all equal);
 - with `--draw` on a GPU, decoding's draw alone (`device_draw_64x151936`, microseconds for 64
   rows of a Qwen3 vocabulary; top-p 0.95, top-k 50 then top-p 0.9, the whole distribution,
   greedy): troupe's one kernel (benches/sampling.rs) against transformers' `generate` sampling
@@ -50,11 +51,18 @@ Runs, in this order, each part `--reps` times alternating troupe and its peer:
   `runtime.gradient_checkpointing`; peak device memory (the goal is at most 24 GB).
 Peak memory is the device's memory in use, sampled every 0.2 s by nvidia-smi, on cuda (nothing
 else should run on the GPU meanwhile), and the process's peak resident set on the CPU.
+`--reward noise` (the default) scores every reply with seeded uniform noise in [0, 1) on both sides
+(python/examples/noise_reward.py for troupe, `trl_grpo_peer.py --reward noise`): it teaches nothing,
+but no group's rewards tie. `--reward length` gives both TRL's length reward, -|len - 200| / 100
+(python/examples/length_reward.py). A random preset's replies decode to little text (the built-in
+tokenizer has 1,024 of the 151,936 ids), so a length reward is nearly constant and can tie whole
+groups: troupe skips the rows whose advantage is zero while TRL computes them all the same, which
+would flatter troupe's time. The memory run takes the same reward.
 Every part runs in `--dtype` (bf16 on cuda, f32 on the CPU by default): troupe's benchmarks with
 `TROUPE_DTYPE`, `troupe train` with `--set model.dtype=`, and the peers with their `--dtype`
 (PyTorch with SDPA and PEFT, TRL with its bf16 mixed precision; `peer_bench.py`,
 `trl_grpo_peer.py`).
-Writes `--out`: the machine, the versions, the dtype, every raw figure and the troupe / peer ratios, each as
+Writes `--out`: the machine, the versions, the dtype, the reward, every raw figure and the troupe / peer ratios, each as
 the list over repetitions. `--quick` shrinks everything (criterion's shortest run, the tiny preset,
 a 2 x 1 x 2 x 8 iteration) to check the script end to end, not to measure.
 """
@@ -336,9 +344,14 @@ def update_products_seconds(tflops, layers, kernel):
     return total
 
 
+# `--reward`'s choices: the script serving each to troupe (trl_grpo_peer.py's `--reward` the same).
+REWARD_SCRIPTS = {"noise": "python/examples/noise_reward.py", "length": "python/examples/length_reward.py"}
+
+
 def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=None, env=None):
     out_dir = os.path.join(work, f"run{rep}")
-    reward = f"[{{name: external, command: [{args.reward_python}, python/examples/length_reward.py], weight: 1.0}}]"
+    script = REWARD_SCRIPTS[getattr(args, "reward", "noise")]
+    reward = f"[{{name: external, command: [{args.reward_python}, {script}], weight: 1.0}}]"
     sets = {"model.path": model_dir, "model.device": args.device, "model.dtype": args.dtype, "run.out_dir": out_dir,
             "run.iterations": args.iterations, "run.checkpoint_every": 1000,
             "training.groups_per_iteration": args.groups, "training.group_size": args.group_size,
@@ -366,6 +379,9 @@ def troupe_iteration(args, model_dir, work, rep, extra=None, flags=(), troupe=No
             "phase_memory_mib": [{**{k[len("memory_mib_"):]: v for k, v in e.items() if k.startswith("memory_mib_")},
                                   **({"reserved": e["memory_reserved_mib"]} if "memory_reserved_mib" in e else {})}
                                  for e in extras],
+            # The share of (group, agent) pairs whose rewards were all equal, per iteration: their
+            # rows have zero advantage and the update skips them.
+            "frac_reward_zero_std": [e.get("frac_reward_zero_std") for e in extras],
             "rollout_tok_s": [l.get("tokens_per_second") for l in lines]}
 
 
@@ -375,7 +391,7 @@ def trl_iteration(args, model_dir):
     cmd = [args.python, "tools/trl_grpo_peer.py", model_dir, "envs/data/writing_posts.jsonl",
            "--steps", str(args.iterations), "--threads", str(args.threads), "--prompts",
            str(AGENTS * args.groups), "--gens", str(args.group_size), "--new", str(args.new_tokens),
-           "--device", args.device, "--dtype", args.dtype]
+           "--device", args.device, "--dtype", args.dtype, "--reward", getattr(args, "reward", "noise")]
     out, peak_mib = run_peak(cmd, args.device, log=subprocess.DEVNULL)
     return {**last_json(out, "trl_grpo_peer.py"), "peak_memory_mib": peak_mib}
 
@@ -395,7 +411,11 @@ def main():
     p.add_argument("--dtype", choices=["bf16", "f32"],
                    help="precision of troupe's base and the peers' model (default: bf16 on cuda, f32 on the CPU)")
     p.add_argument("--python", default=sys.executable, help="a Python with torch, transformers, peft, trl")
-    p.add_argument("--reward-python", default="python3", help="the Python that serves troupe's length reward")
+    p.add_argument("--reward", choices=sorted(REWARD_SCRIPTS), default="noise",
+                   help="the iterations' reward on both sides: noise (seeded, differs for every reply, so no group "
+                        "ties; the default) or length (TRL's length reward, which a random preset's short text "
+                        "can tie)")
+    p.add_argument("--reward-python", default="python3", help="the Python that serves troupe's reward")
     p.add_argument("--troupe", default=os.path.join(ROOT, "target/release/troupe"))
     p.add_argument("--target-dir", default=os.path.join(ROOT, "target"),
                    help="cargo's target dir for the benches; criterion writes its results under it")
@@ -491,7 +511,7 @@ def main():
     if "best" in matmuls and not args.gemm:
         sys.exit("error: --matmul best needs --gemm, whose fastest routine it runs")
     result = {"machine": machine(args.device, args.python), "device": args.device, "dtype": args.dtype,
-              "quick": args.quick,
+              "reward": args.reward, "quick": args.quick,
               "settings": {k: getattr(args, k) for k in ("preset", "reps", "iterations", "groups",
                                                           "group_size", "new_tokens", "threads",
                                                           "memory_preset", "memory_iterations")}}

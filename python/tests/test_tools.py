@@ -279,3 +279,89 @@ def test_gpu_figures_draw_sets_troupes_draw_beside_transformers_sampling(monkeyp
     assert len(peers) == 2 and "--draw" in peers[0] and peers[0][peers[0].index("--device") + 1] == "cuda"
     assert got["ratio"] == [{"top_p_0.95_us": 3.0, "greedy_us": 0.5}] * 2
     assert got["troupe"][0]["top_p_0.95_us"] == 100.0 and got["transformers"][1]["greedy_us"] == 20.0
+
+
+def run_figures_rewards(monkeypatch, tmp_path, flags):
+    """`gpu_figures.py --skip-kernels --skip-memory --reps 1 --iterations 2 FLAGS` with the troupe
+    and TRL processes stubbed at `run_peak`: troupe's run writes a metrics.jsonl whose first
+    iteration had half its groups tied and second none, TRL's prints its JSON line. Returns the
+    troupe and TRL commands and the figures written."""
+    troupe_cmds, trl_cmds = [], []
+
+    def run_peak(cmd, device, env=None, log=None):
+        if "tools/trl_grpo_peer.py" in cmd:
+            trl_cmds.append(cmd)
+            return "{'train_runtime': 1.0}\n" + json.dumps(
+                {"s_per_step": 1.5, "step_s": [2.0, 1.5], "frac_reward_zero_std": [0.25, 0.0]}) + "\n", 50.0
+        troupe_cmds.append(cmd)
+        out_dir = next(c.split("=", 1)[1] for c in cmd if c.startswith("run.out_dir="))
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+            for zero_std in (0.5, 0.0):
+                f.write(json.dumps({"seconds": 3.0, "extra": {"frac_reward_zero_std": zero_std}}) + "\n")
+        return "", 100.0
+
+    monkeypatch.setattr(gpu_figures, "run_peak", run_peak)
+    monkeypatch.setattr(gpu_figures, "run", lambda *a, **k: "")
+    monkeypatch.setattr(gpu_figures, "gemm_tflops", lambda args: {"tflops": 1.0})
+    monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
+    troupe = fake_troupe(tmp_path)
+    out = tmp_path / "figures.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cpu", "--troupe", str(troupe), "--reps", "1",
+                                      "--iterations", "2", "--skip-kernels", "--skip-memory", *flags,
+                                      "--out", str(out)])
+    gpu_figures.main()
+    return troupe_cmds, trl_cmds, json.load(open(out))
+
+
+def reward_set(cmd):
+    return next(c for c in cmd if c.startswith("rewards.functions="))
+
+
+def test_gpu_figures_iteration_defaults_to_the_noise_reward_on_both_sides(monkeypatch, tmp_path):
+    troupe_cmds, trl_cmds, got = run_figures_rewards(monkeypatch, tmp_path, [])
+    assert len(troupe_cmds) == 1 and len(trl_cmds) == 1
+    assert "python/examples/noise_reward.py" in reward_set(troupe_cmds[0])
+    assert "length_reward.py" not in " ".join(troupe_cmds[0])
+    assert trl_cmds[0][trl_cmds[0].index("--reward") + 1] == "noise"
+    assert got["reward"] == "noise"
+
+
+def test_gpu_figures_reward_length_gives_both_sides_the_length_reward(monkeypatch, tmp_path):
+    troupe_cmds, trl_cmds, got = run_figures_rewards(monkeypatch, tmp_path, ["--reward", "length"])
+    assert "python/examples/length_reward.py" in reward_set(troupe_cmds[0])
+    assert "noise_reward.py" not in " ".join(troupe_cmds[0])
+    assert trl_cmds[0][trl_cmds[0].index("--reward") + 1] == "length"
+    assert got["reward"] == "length"
+
+
+def test_gpu_figures_iteration_records_each_sides_frac_reward_zero_std(monkeypatch, tmp_path):
+    _, _, got = run_figures_rewards(monkeypatch, tmp_path, [])
+    iteration = got["iteration_qwen3-0.6b"]
+    # troupe's per iteration from metrics.jsonl's `extra`, TRL's per step from its JSON line.
+    assert iteration["troupe"][0]["frac_reward_zero_std"] == [0.5, 0.0]
+    assert iteration["trl"][0]["frac_reward_zero_std"] == [0.25, 0.0]
+    assert iteration["trl_s_per_step_over_troupe_s_per_iteration"] == [0.5]
+
+
+def test_gpu_figures_iteration_leaves_frac_reward_zero_std_none_where_troupe_wrote_none(monkeypatch, tmp_path):
+    def run_peak(cmd, device, env=None, log=None):
+        out_dir = next(c.split("=", 1)[1] for c in cmd if c.startswith("run.out_dir="))
+        os.makedirs(out_dir)
+        with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+            f.write(json.dumps({"seconds": 2.0, "extra": {"frac_reward_zero_std": 1.0}}) + "\n")
+            f.write(json.dumps({"seconds": 2.0}) + "\n")
+        return "", 100.0
+
+    monkeypatch.setattr(gpu_figures, "run_peak", run_peak)
+    args = gpu_figures.argparse.Namespace(device="cpu", dtype="f32", reward_python="python3", iterations=2,
+                                          groups=1, group_size=2, new_tokens=8, troupe="troupe", reward="length")
+    got = gpu_figures.troupe_iteration(args, "m", str(tmp_path), "a")
+    assert got["frac_reward_zero_std"] == [1.0, None]
+
+
+def test_gpu_figures_refuses_an_unknown_reward(tmp_path):
+    got = subprocess.run([sys.executable, os.path.join(TOOLS, "gpu_figures.py"), "--device", "cpu",
+                          "--reward", "env_return", "--out", str(tmp_path / "f.json")],
+                         capture_output=True, text=True)
+    assert got.returncode != 0 and "--reward" in got.stderr and "env_return" in got.stderr, got.stderr
