@@ -76,10 +76,11 @@ pub fn merge_into_model_dir(model_path: &Path, adapter: &LoraAdapter, out: &Path
         safetensors_parts(model_dir)?
     };
     // Every targeted projection is checked before anything is written.
+    let shape_of: HashMap<&str, &Vec<usize>> = shapes.iter().map(|(name, shape)| (name.as_str(), shape)).collect();
     let mut pairs = HashMap::new();
     for ((layer, projection), pair) in &adapter.pairs {
         let name = format!("model.layers.{layer}.{}.weight", projection.path());
-        let shape = shapes.iter().find(|(n, _)| *n == name).map(|(_, s)| s).ok_or_else(|| {
+        let shape = *shape_of.get(name.as_str()).ok_or_else(|| {
             TroupeError::Model(ModelError::MissingTensor { path: model_dir.to_path_buf(), tensor: name.clone() })
         })?;
         let expected = vec![pair.b.dims()[0], pair.a.dims()[1]];

@@ -159,9 +159,10 @@ pub fn run(command: AdaptersCommand, device: &burn::tensor::Device) -> Result<()
         AdaptersCommand::Merge(args) => {
             let dir = resolve_adapter_dir(&args.adapter)?;
             super::out_dir::check_out_dir(&args.out, args.force, &[args.model.as_path(), dir.as_path()])?;
-            let model = Model::from_path(&args.model, device)
-                .with_context(|| format!("loading model {}", args.model.display()))?;
-            let adapter = read_adapter_dir(&dir, &model.lm.config, device)
+            // The base's configuration alone: the merge reads its weights a tensor at a time.
+            let config =
+                Model::read_config(&args.model).with_context(|| format!("loading model {}", args.model.display()))?;
+            let adapter = read_adapter_dir(&dir, &config, device)
                 .with_context(|| format!("loading adapter {}", dir.display()))?;
             merge_into_model_dir(&args.model, &adapter, &args.out, device)
                 .with_context(|| format!("writing the merged model to {}", args.out.display()))?;

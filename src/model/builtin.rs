@@ -142,39 +142,23 @@ impl Planned {
     /// The tensor's values: the same on every call.
     fn values(&self) -> Vec<f32> {
         match &self.draw {
-            Draw::Normal { std, from } => {
-                let normal = Normal::new(0.0f32, *std).expect("valid std");
-                let mut rng = ChaCha8Rng::clone(from);
-                (0..self.len()).map(|_| normal.sample(&mut rng)).collect()
-            }
+            Draw::Normal { std, from } => draw_normal(*std, self.len(), &mut ChaCha8Rng::clone(from)),
             Draw::Ones => vec![1.0; self.len()],
         }
     }
 }
 
-/// The tensors of `config`'s random weights (std 0.02 like transformers' `initializer_range`,
-/// norms at 1), drawn in turn from one `ChaCha8Rng` seeded with `seed`: each random tensor keeps
-/// the generator's state where its values start, so any tensor's values can be drawn alone,
-/// in any order, without holding the others'.
-fn plan(config: &ModelConfig, seed: u64) -> Vec<Planned> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut planned = Vec::new();
+/// The tensors of `config`'s random weights in the order the generator draws them: each one's
+/// name, shape, and the standard deviation of its normal values (`None`: all ones, the norms).
+/// The blocks get std 0.02 like transformers' `initializer_range`.
+fn layout(config: &ModelConfig) -> Vec<(String, Vec<usize>, Option<f32>)> {
     let (h, v) = (config.hidden_size, config.vocab_size);
-    // Saves the generator's state for the tensor, then moves it past the tensor's values.
-    let mut random = |name: String, shape: Vec<usize>, std: f32, rng: &mut ChaCha8Rng| {
-        let tensor = Planned { name, shape, draw: Draw::Normal { std, from: Box::new(rng.clone()) } };
-        let normal = Normal::new(0.0f32, std).expect("valid std");
-        for _ in 0..tensor.len() {
-            let _: f32 = normal.sample(rng);
-        }
-        planned.push(tensor);
-    };
     // The (tied) embeddings get std 1/sqrt(hidden): a random hidden state then gives logits
     // of std about 1 (a mildly uneven first distribution, like a trained model's spread), and
     // one aligned with a token's embedding can lift it by sqrt(hidden) nats. With the blocks'
     // 0.02, the normalised final state could only ever shift a logit by about 2.5 nats, so no
     // adapter could make the model confident of anything.
-    random("model.embed_tokens.weight".into(), vec![v, h], 1.0 / (h as f32).sqrt(), &mut rng);
+    let mut tensors = vec![("model.embed_tokens.weight".to_string(), vec![v, h], Some(1.0 / (h as f32).sqrt()))];
     let i = config.intermediate_size;
     let q = config.num_attention_heads * config.head_dim;
     let kv = config.num_key_value_heads * config.head_dim;
@@ -190,27 +174,63 @@ fn plan(config: &ModelConfig, seed: u64) -> Vec<Planned> {
             ("mlp.up_proj", vec![i, h]),
             ("mlp.down_proj", vec![h, i]),
         ] {
-            random(format!("{p}.{name}.weight"), shape, 0.02, &mut rng);
+            tensors.push((format!("{p}.{name}.weight"), shape, Some(0.02)));
         }
-        ones.push((format!("{p}.input_layernorm.weight"), h));
-        ones.push((format!("{p}.post_attention_layernorm.weight"), h));
+        ones.push((format!("{p}.input_layernorm.weight"), vec![h], None));
+        ones.push((format!("{p}.post_attention_layernorm.weight"), vec![h], None));
         if config.model_type == ModelType::Qwen3 {
-            ones.push((format!("{p}.self_attn.q_norm.weight"), config.head_dim));
-            ones.push((format!("{p}.self_attn.k_norm.weight"), config.head_dim));
+            ones.push((format!("{p}.self_attn.q_norm.weight"), vec![config.head_dim], None));
+            ones.push((format!("{p}.self_attn.k_norm.weight"), vec![config.head_dim], None));
         }
     }
-    ones.push(("model.norm.weight".into(), h));
-    planned.extend(ones.into_iter().map(|(name, n)| Planned { name, shape: vec![n], draw: Draw::Ones }));
-    planned
+    ones.push(("model.norm.weight".into(), vec![h], None));
+    tensors.extend(ones);
+    tensors
 }
 
-/// Random weights for `config` (see [`plan`]): the same seed gives the same model.
+/// `len` values of a normal distribution of standard deviation `std`, drawn from `rng`.
+fn draw_normal(std: f32, len: usize, rng: &mut ChaCha8Rng) -> Vec<f32> {
+    let normal = Normal::new(0.0f32, std).expect("valid std");
+    (0..len).map(|_| normal.sample(rng)).collect()
+}
+
+/// The tensors of `config`'s random weights (see [`layout`]), drawn in turn from one
+/// `ChaCha8Rng` seeded with `seed`: each random tensor keeps the generator's state where its
+/// values start, so any tensor's values can be drawn alone, in any order, without holding the
+/// others'.
+fn plan(config: &ModelConfig, seed: u64) -> Vec<Planned> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let planned = layout(config).into_iter().map(|(name, shape, std)| {
+        let draw = match std {
+            Some(std) => {
+                let from = Box::new(rng.clone());
+                // Moves the generator past the tensor's values.
+                let normal = Normal::new(0.0f32, std).expect("valid std");
+                for _ in 0..shape.iter().product::<usize>() {
+                    let _: f32 = normal.sample(&mut rng);
+                }
+                Draw::Normal { std, from }
+            }
+            None => Draw::Ones,
+        };
+        Planned { name, shape, draw }
+    });
+    planned.collect()
+}
+
+/// Random weights for `config`, the ones [`plan`]'s tensors give (drawn once, in turn): the
+/// same seed gives the same model.
 pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
-    let tensors = plan(config, seed)
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let tensors = layout(config)
         .into_iter()
-        .map(|t| {
-            let values = t.values();
-            (t.name, HostTensor { values, shape: t.shape })
+        .map(|(name, shape, std)| {
+            let len = shape.iter().product();
+            let values = match std {
+                Some(std) => draw_normal(std, len, &mut rng),
+                None => vec![1.0; len],
+            };
+            (name, HostTensor { values, shape })
         })
         .collect();
     MemoryWeights { tensors }

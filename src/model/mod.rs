@@ -85,26 +85,22 @@ impl Model {
             let lm = CausalLm::load_as(config, &WeightLoader { source: &weights, device, format, dtype })?;
             return Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) });
         }
-        if path.is_file() {
-            return Err(TroupeError::io(
-                path,
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidInput,
-                    "is a file but not a GGUF file (a model is a Hugging Face directory or a .gguf file)",
-                ),
-            ));
-        }
-        if !path.is_dir() {
-            return Err(TroupeError::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
-            ));
-        }
+        check_model_dir(path)?;
         let config = ModelConfig::from_file(&path.join("config.json"))?;
         let store = TensorStore::open_model_dir(path)?;
         let tokenizer = TextTokenizer::from_model_dir(path, &config.eos_token_ids)?;
         let lm = CausalLm::load_as(config, &WeightLoader { source: &store, device, format, dtype })?;
         Ok(Self { lm, tokenizer, dir: Some(path.to_path_buf()) })
+    }
+
+    /// The configuration of the model at `path` (a Hugging Face directory's `config.json`, or
+    /// a GGUF file's metadata), without reading its weights.
+    pub fn read_config(path: &Path) -> Result<ModelConfig> {
+        if gguf::is_gguf_path(path) {
+            return gguf::read_config(path);
+        }
+        check_model_dir(path)?;
+        ModelConfig::from_file(&path.join("config.json"))
     }
 
     /// A Hugging Face model directory or a GGUF file, its base in `auto` precision (f32 on the
@@ -118,4 +114,24 @@ impl Model {
     pub fn builtin(preset: Preset, seed: u64, device: &Device) -> Result<Self> {
         Self::load(&LoadOptions::builtin(preset, seed), device)
     }
+}
+
+/// Refuses a model path that is not a directory (a GGUF file is told apart before), naming it.
+fn check_model_dir(path: &Path) -> Result<()> {
+    if path.is_file() {
+        return Err(TroupeError::io(
+            path,
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "is a file but not a GGUF file (a model is a Hugging Face directory or a .gguf file)",
+            ),
+        ));
+    }
+    if !path.is_dir() {
+        return Err(TroupeError::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
+        ));
+    }
+    Ok(())
 }

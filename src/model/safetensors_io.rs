@@ -4,7 +4,7 @@
 //! memory. Writes are atomic.
 
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -252,34 +252,50 @@ impl<'a> F32Tensor<'a> {
     }
 }
 
-impl View for &F32Tensor<'_> {
+/// A tensor as [`write_f32_tensors`] hands it to safetensors: once any tensor of the file has
+/// failed to give its values, the ones after it are not asked for theirs (the file is removed,
+/// so reading or computing them would be wasted).
+struct Writing<'t, 'a> {
+    tensor: &'t F32Tensor<'a>,
+    failed: &'t Cell<bool>,
+}
+
+impl View for Writing<'_, '_> {
     fn dtype(&self) -> Dtype {
         Dtype::F32
     }
 
     fn shape(&self) -> &[usize] {
-        &self.shape
+        &self.tensor.shape
     }
 
     fn data(&self) -> Cow<'_, [u8]> {
-        let expected = self.shape.iter().product::<usize>();
-        match (self.values)() {
-            Ok(values) if values.len() == expected => Cow::Owned(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
-            outcome => {
-                let failure = match outcome {
-                    Ok(values) => Failure::Count(values.len()),
-                    Err(e) => Failure::Error(e),
-                };
-                self.failure.borrow_mut().get_or_insert(failure);
-                // The file is removed after the write: these bytes only keep its layout.
-                Cow::Owned(vec![0; self.data_len()])
+        let tensor = self.tensor;
+        let expected = tensor.shape.iter().product::<usize>();
+        if !self.failed.get() {
+            match (tensor.values)() {
+                Ok(values) if values.len() == expected => return Cow::Owned(le_bytes(&values)),
+                Ok(values) => *tensor.failure.borrow_mut() = Some(Failure::Count(values.len())),
+                Err(e) => *tensor.failure.borrow_mut() = Some(Failure::Error(e)),
             }
+            self.failed.set(true);
         }
+        // The file is removed after the write: these bytes only keep its layout.
+        Cow::Owned(vec![0; self.data_len()])
     }
 
     fn data_len(&self) -> usize {
-        self.shape.iter().product::<usize>() * 4
+        self.tensor.shape.iter().product::<usize>() * 4
     }
+}
+
+/// `values` as little-endian bytes (safetensors' byte order).
+fn le_bytes(values: &[f32]) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(values.len() * 4);
+    for v in values {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    bytes
 }
 
 /// Writes f32 tensors to a safetensors file atomically (temp file + rename), with optional
@@ -303,13 +319,13 @@ pub fn write_f32_tensors<'a>(
     metadata: Option<HashMap<String, String>>,
 ) -> Result<()> {
     let tensors: Vec<(String, F32Tensor<'a>)> = tensors.into_iter().collect();
+    let failed = Cell::new(false);
     write_atomic_with(path, |tmp| {
-        safetensors::serialize_to_file(tensors.iter().map(|(name, t)| (name.as_str(), t)), metadata, tmp).map_err(
-            |e| match e {
-                SafeTensorError::IoError(e) => TroupeError::io(path, e),
-                e => TroupeError::Model(ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() }),
-            },
-        )?;
+        let views = tensors.iter().map(|(name, tensor)| (name.as_str(), Writing { tensor, failed: &failed }));
+        safetensors::serialize_to_file(views, metadata, tmp).map_err(|e| match e {
+            SafeTensorError::IoError(e) => TroupeError::io(path, e),
+            e => TroupeError::Model(ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() }),
+        })?;
         match tensors.iter().find_map(|(name, t)| Some((name, t, t.failure.take()?))) {
             None => Ok(()),
             Some((_, _, Failure::Error(e))) => Err(e),
@@ -357,23 +373,34 @@ mod tests {
     }
 
     /// A tensor whose values fail to come (a read, a device) ends the write with that error,
-    /// after the tensors before it were written, and leaves no file behind.
+    /// after the tensors before it were written, leaves no file behind, and the tensors after
+    /// it are not asked for their values.
     #[test]
     fn a_tensor_that_fails_ends_the_write_and_leaves_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("t.safetensors");
+        let asked = RefCell::new(Vec::new());
+        let counted = |name: &'static str, values: Vec<f32>| {
+            let asked = &asked;
+            F32Tensor::new(vec![values.len()], move || {
+                asked.borrow_mut().push(name);
+                Cow::Owned(values.clone())
+            })
+        };
         let tensors = vec![
-            ("a".to_string(), F32Tensor::new(vec![2], || Cow::Owned(vec![1.0, 2.0]))),
+            ("a".to_string(), counted("a", vec![1.0, 2.0])),
             (
                 "b".to_string(),
                 F32Tensor::fallible(vec![2], || {
                     Err(TroupeError::io(Path::new("base.bin"), std::io::ErrorKind::UnexpectedEof.into()))
                 }),
             ),
+            ("c".to_string(), counted("c", vec![3.0])),
         ];
         let err = write_f32_tensors(&path, tensors, None).unwrap_err().to_string();
         assert!(err.contains("base.bin"), "{err}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no file, no temp file");
+        assert_eq!(*asked.borrow(), ["a"], "`c`, after the failure, is not asked for its values");
     }
 
     /// An empty file is refused with the reason, not mapped and misread.

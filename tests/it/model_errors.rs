@@ -120,3 +120,28 @@ fn sharded_checkpoint_loads_like_a_single_file() {
     let b = troupe::generate::score_rows(&single.lm, &[ids], None).unwrap();
     assert_eq!(a, b);
 }
+
+/// `Model::read_config` (what `adapters merge` reads instead of the whole base) gives the
+/// configuration a load gives, for every fixture directory and GGUF file, and refuses a bad
+/// path with the load's error.
+#[test]
+fn a_models_configuration_is_read_without_its_weights() {
+    let gguf = common::repo_dir().join("fixtures/gguf");
+    let paths: Vec<PathBuf> = common::fixture_models()
+        .into_iter()
+        .chain(["tiny-llama", "tiny-qwen2", "tiny-qwen3"].map(|name| gguf.join(format!("{name}.gguf"))))
+        .collect();
+    for path in &paths {
+        let loaded = Model::from_path(path, &Device::flex()).unwrap();
+        assert_eq!(Model::read_config(path).unwrap(), loaded.lm.config, "{}", path.display());
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture(tmp.path());
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    assert!(Model::read_config(&dir).is_ok(), "no weights are read");
+    for bad in [tmp.path().join("missing"), dir.join("tokenizer.json")] {
+        let err = Model::read_config(&bad).unwrap_err().to_string();
+        assert_eq!(err, load_error(&bad), "{}", bad.display());
+        assert!(err.contains(&bad.display().to_string()), "{err}");
+    }
+}

@@ -33,6 +33,11 @@ pub fn is_gguf_path(path: &Path) -> bool {
     path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) || is_gguf_file(path)
 }
 
+/// A GGUF file's model configuration, read from its metadata (no tensor is read).
+pub fn read_config(path: &Path) -> Result<ModelConfig> {
+    config::read_config(&GgufFile::open(path)?)
+}
+
 /// Opens a GGUF file and reads its configuration, tokenizer and tensor directory.
 pub fn open(path: &Path) -> Result<(ModelConfig, TextTokenizer, GgufWeights)> {
     let file = GgufFile::open(path)?;
