@@ -27,6 +27,8 @@ pub enum Stage {
     Optimizer,
     /// Reading adapters and optimizer state back to write them (checkpoints, `troupe adapters`).
     Saving,
+    /// An adapter's products read back to fold into its base (`troupe adapters merge`).
+    Merging,
 }
 
 impl Stage {
@@ -38,6 +40,7 @@ impl Stage {
             Stage::Update => "computing the update",
             Stage::Optimizer => "stepping the optimizer",
             Stage::Saving => "saving the adapters",
+            Stage::Merging => "merging the adapter into its base",
         }
     }
 
@@ -58,6 +61,8 @@ impl Stage {
                 "smaller micro-batches (runtime.micro_batch_rows or runtime.micro_batch_tokens), \
                  runtime.gradient_checkpointing: true, or a smaller model"
             }
+            // One projection's `B A` at a time: the host has room where the device has none.
+            Stage::Merging => "--device cpu, which merges on the host",
         }
     }
 }

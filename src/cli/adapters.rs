@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use crate::adapters::config::AdapterConfig;
-use crate::adapters::merge::merge_into_model_dir;
+use crate::adapters::merge::{merge_into_model_dir, MergedDtype};
 use crate::adapters::peft::{read_adapter_dir, Manifest, CONFIG_FILE, MANIFEST_FILE, WEIGHTS_FILE};
 use crate::adapters::{LoraAdapter, MixedLora};
 use crate::model::safetensors_io::TensorStore;
@@ -41,6 +41,10 @@ pub struct MergeArgs {
     /// Replace the contents of a non-empty `--out` directory.
     #[arg(long)]
     pub force: bool,
+    /// The merged weights' type: auto (each tensor as the base stores it, as PEFT's
+    /// `merge_and_unload` keeps it; f32 for a GGUF base), f32, bf16 or f16.
+    #[arg(long, value_enum, default_value_t = MergedDtype::Auto)]
+    pub dtype: MergedDtype,
 }
 
 /// Splits `DIR[:NAME]` (a trailing `:NAME` without a path separator names the adapter).
@@ -164,7 +168,7 @@ pub fn run(command: AdaptersCommand, device: &burn::tensor::Device) -> Result<()
                 Model::read_config(&args.model).with_context(|| format!("loading model {}", args.model.display()))?;
             let adapter = read_adapter_dir(&dir, &config, device)
                 .with_context(|| format!("loading adapter {}", dir.display()))?;
-            merge_into_model_dir(&args.model, &adapter, &args.out, device)
+            merge_into_model_dir(&args.model, &adapter, &args.out, args.dtype, device)
                 .with_context(|| format!("writing the merged model to {}", args.out.display()))?;
             super::output::emit(json!({"out": args.out, "adapter": dir, "merged_sites": adapter.pairs.len()}))?;
             Ok(())

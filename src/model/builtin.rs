@@ -249,7 +249,7 @@ pub fn write_model_dir(out: &Path, preset: Preset, seed: u64) -> Result<()> {
     })?;
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     // Each tensor is drawn as the file reaches it: `qwen3-4b`'s 16 GB are written holding one
-    // tensor (its 1.6 GB embedding at most), not the model.
+    // tensor's values and their bytes (the 1.6 GB embedding's, at most), not the model.
     let tensors = plan(&config, seed).into_iter().map(|t| {
         let shape = t.shape.clone();
         (t.name.clone(), F32Tensor::new(shape, move || Cow::Owned(t.values())))

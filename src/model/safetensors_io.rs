@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use burn::tensor::{Device, Tensor, TensorData};
-use memmap2::{Mmap, UncheckedAdvice};
+use memmap2::Mmap;
 use safetensors::tensor::{Dtype, Metadata, View};
 use safetensors::{SafeTensorError, SafeTensors};
 
@@ -160,6 +160,12 @@ impl TensorStore {
         file.metadata.info(name).map(|info| (format!("{:?}", info.dtype), info.shape.iter().product()))
     }
 
+    /// The float type a tensor is stored in, if present and one troupe reads.
+    pub fn stored_float(&self, name: &str) -> Option<StoredFloat> {
+        let file = &self.files[*self.index.get(name)?];
+        file.metadata.info(name).and_then(|info| StoredFloat::of(info.dtype))
+    }
+
     /// Reads a tensor as f32, checking its shape when `expected` is given.
     pub fn read(&self, name: &str, expected: Option<&[usize]>) -> Result<HostTensor> {
         let missing =
@@ -184,7 +190,8 @@ impl TensorStore {
         // cache may keep them). SAFETY: the map is read only and never written, so dropping its
         // pages loses nothing; a later read faults them in again from the file. Advice only: a
         // failure changes nothing that is read.
-        let _ = unsafe { file.bytes.unchecked_advise_range(UncheckedAdvice::DontNeed, start, end - start) };
+        #[cfg(unix)]
+        let _ = unsafe { file.bytes.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
         let values = values.ok_or_else(|| {
             TroupeError::Model(ModelError::Safetensors {
                 path: file.path.clone(),
@@ -221,10 +228,73 @@ fn describe_error(err: &safetensors::SafeTensorError) -> String {
     }
 }
 
-/// An f32 tensor to write: its shape and what gives its values, asked for only when the file
-/// reaches the tensor, so a file is written holding one tensor's bytes at a time.
+/// The float types troupe reads and writes in safetensors files.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredFloat {
+    /// IEEE single precision.
+    F32,
+    /// IEEE half precision.
+    F16,
+    /// bfloat16.
+    Bf16,
+}
+
+impl StoredFloat {
+    /// The stored type of safetensors' `dtype`, or `None` for one troupe does not read.
+    pub fn of(dtype: Dtype) -> Option<Self> {
+        match dtype {
+            Dtype::F32 => Some(Self::F32),
+            Dtype::F16 => Some(Self::F16),
+            Dtype::BF16 => Some(Self::Bf16),
+            _ => None,
+        }
+    }
+
+    /// safetensors' name for it.
+    pub fn dtype(self) -> Dtype {
+        match self {
+            Self::F32 => Dtype::F32,
+            Self::F16 => Dtype::F16,
+            Self::Bf16 => Dtype::BF16,
+        }
+    }
+
+    /// Bytes per value.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::Bf16 => 2,
+        }
+    }
+
+    /// transformers' name for it (`config.json`'s `dtype`).
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::F16 => "float16",
+            Self::Bf16 => "bfloat16",
+        }
+    }
+
+    /// `values` as little-endian bytes of this type (safetensors' byte order), each rounded to
+    /// nearest, ties to even, as `torch.Tensor.to` rounds.
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(values.len() * self.size());
+        match self {
+            Self::F32 => values.iter().for_each(|v| bytes.extend_from_slice(&v.to_le_bytes())),
+            Self::F16 => values.iter().for_each(|v| bytes.extend_from_slice(&half::f16::from_f32(*v).to_le_bytes())),
+            Self::Bf16 => values.iter().for_each(|v| bytes.extend_from_slice(&half::bf16::from_f32(*v).to_le_bytes())),
+        }
+        bytes
+    }
+}
+
+/// A tensor to write, given as f32 values and stored as f32 (or, with [`F32Tensor::stored_as`],
+/// f16 or bf16): its shape and what gives its values, asked for only when the file reaches the
+/// tensor, so a file is written holding one tensor's bytes at a time.
 pub struct F32Tensor<'a> {
     shape: Vec<usize>,
+    stored: StoredFloat,
     values: Box<dyn Fn() -> Result<Cow<'a, [f32]>> + 'a>,
     /// What went wrong giving the values, kept for [`write_f32_tensors`] to return (safetensors
     /// asks a tensor for bytes and cannot be told it has none).
@@ -248,7 +318,12 @@ impl<'a> F32Tensor<'a> {
     /// A tensor whose values may fail to come (read from a file, computed): the failure ends
     /// the write and nothing is left on disk.
     pub fn fallible(shape: Vec<usize>, values: impl Fn() -> Result<Cow<'a, [f32]>> + 'a) -> Self {
-        Self { shape, values: Box::new(values), failure: RefCell::new(None) }
+        Self { shape, stored: StoredFloat::F32, values: Box::new(values), failure: RefCell::new(None) }
+    }
+
+    /// The same tensor, written as `stored` (its values rounded to it).
+    pub fn stored_as(self, stored: StoredFloat) -> Self {
+        Self { stored, ..self }
     }
 }
 
@@ -262,7 +337,7 @@ struct Writing<'t, 'a> {
 
 impl View for Writing<'_, '_> {
     fn dtype(&self) -> Dtype {
-        Dtype::F32
+        self.tensor.stored.dtype()
     }
 
     fn shape(&self) -> &[usize] {
@@ -274,28 +349,19 @@ impl View for Writing<'_, '_> {
         let expected = tensor.shape.iter().product::<usize>();
         if !self.failed.get() {
             match (tensor.values)() {
-                Ok(values) if values.len() == expected => return Cow::Owned(le_bytes(&values)),
+                Ok(values) if values.len() == expected => return Cow::Owned(tensor.stored.encode(&values)),
                 Ok(values) => *tensor.failure.borrow_mut() = Some(Failure::Count(values.len())),
                 Err(e) => *tensor.failure.borrow_mut() = Some(Failure::Error(e)),
             }
             self.failed.set(true);
         }
-        // The file is removed after the write: these bytes only keep its layout.
-        Cow::Owned(vec![0; self.data_len()])
+        // The write has failed and its file is removed: nothing more is asked or written.
+        Cow::Borrowed(&[])
     }
 
     fn data_len(&self) -> usize {
-        self.tensor.shape.iter().product::<usize>() * 4
+        self.tensor.shape.iter().product::<usize>() * self.tensor.stored.size()
     }
-}
-
-/// `values` as little-endian bytes (safetensors' byte order).
-fn le_bytes(values: &[f32]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(values.len() * 4);
-    for v in values {
-        bytes.extend_from_slice(&v.to_le_bytes());
-    }
-    bytes
 }
 
 /// Writes f32 tensors to a safetensors file atomically (temp file + rename), with optional
@@ -322,12 +388,13 @@ pub fn write_f32_tensors<'a>(
     let failed = Cell::new(false);
     write_atomic_with(path, |tmp| {
         let views = tensors.iter().map(|(name, tensor)| (name.as_str(), Writing { tensor, failed: &failed }));
-        safetensors::serialize_to_file(views, metadata, tmp).map_err(|e| match e {
-            SafeTensorError::IoError(e) => TroupeError::io(path, e),
-            e => TroupeError::Model(ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() }),
-        })?;
+        let written = safetensors::serialize_to_file(views, metadata, tmp);
+        // A tensor's failure is the cause of whatever the writer then ran into.
         match tensors.iter().find_map(|(name, t)| Some((name, t, t.failure.take()?))) {
-            None => Ok(()),
+            None => written.map_err(|e| match e {
+                SafeTensorError::IoError(e) => TroupeError::io(path, e),
+                e => TroupeError::Model(ModelError::Safetensors { path: path.to_path_buf(), message: e.to_string() }),
+            }),
             Some((_, _, Failure::Error(e))) => Err(e),
             Some((name, t, Failure::Count(n))) => Err(TroupeError::Model(ModelError::Safetensors {
                 path: path.to_path_buf(),
@@ -401,6 +468,36 @@ mod tests {
         assert!(err.contains("base.bin"), "{err}");
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "no file, no temp file");
         assert_eq!(*asked.borrow(), ["a"], "`c`, after the failure, is not asked for its values");
+    }
+
+    /// A tensor stored as bf16 or f16 is written in that type, each value rounded to nearest
+    /// with ties to even (as `torch.Tensor.to` rounds), and reads back as the rounded values.
+    #[test]
+    fn tensors_are_written_in_the_type_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.safetensors");
+        // 1 + 2^-8 lies halfway between bf16's 1 and 1 + 2^-7: the tie goes to the even 1.
+        // 1 + 3 * 2^-8 lies halfway between 1 + 2^-7 and 1 + 2^-6: to the even 1 + 2^-6.
+        let values = [1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), -0.1, 70000.0];
+        let tensors = vec![
+            ("b".to_string(), F32Tensor::new(vec![4], || Cow::Owned(values.to_vec())).stored_as(StoredFloat::Bf16)),
+            ("h".to_string(), F32Tensor::new(vec![2, 2], || Cow::Owned(values.to_vec())).stored_as(StoredFloat::F16)),
+            ("f".to_string(), F32Tensor::new(vec![4], || Cow::Owned(values.to_vec()))),
+        ];
+        write_f32_tensors(&path, tensors, None).unwrap();
+        let store = TensorStore::open_files(std::slice::from_ref(&path), path.clone()).unwrap();
+        assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, 8 + store.files[0].header_len + 4 * (2 + 2 + 4));
+        assert_eq!(store.stored_float("b"), Some(StoredFloat::Bf16));
+        assert_eq!(store.stored_float("h"), Some(StoredFloat::F16));
+        assert_eq!(store.stored_float("f"), Some(StoredFloat::F32));
+        let bf16 = store.read("b", None).unwrap().values;
+        assert_eq!(bf16[..2], [1.0, 1.0 + 2f32.powi(-6)]);
+        assert_eq!(bf16[2..], [half::bf16::from_f32(-0.1).to_f32(), 70144.0]);
+        // f16 holds the first two exactly (10 fraction bits); its largest finite value is
+        // 65504, so 70000 overflows to infinity.
+        let f16 = store.read("h", Some(&[2, 2])).unwrap().values;
+        assert_eq!(f16, [values[0], values[1], half::f16::from_f32(-0.1).to_f32(), f32::INFINITY]);
+        assert_eq!(store.read("f", None).unwrap().values, values);
     }
 
     /// An empty file is refused with the reason, not mapped and misread.
