@@ -521,7 +521,11 @@ def main():
         def model_dir_of(preset):
             path = os.path.join(work, preset)
             if preset not in made:
-                run([args.troupe, "init-model", "--out", path, "--preset", preset], log=subprocess.DEVNULL)
+                # Stored in the run's dtype: a bf16 file, as Qwen publishes its checkpoints, is
+                # half the disk and write time of an f32 one and gives every bf16 side the same
+                # weights (each f32 value drawn, rounded once).
+                run([args.troupe, "init-model", "--out", path, "--preset", preset, "--dtype", args.dtype],
+                    log=subprocess.DEVNULL)
                 made.add(preset)
             return path
 

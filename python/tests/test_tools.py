@@ -365,3 +365,32 @@ def test_gpu_figures_refuses_an_unknown_reward(tmp_path):
                           "--reward", "env_return", "--out", str(tmp_path / "f.json")],
                          capture_output=True, text=True)
     assert got.returncode != 0 and "--reward" in got.stderr and "env_return" in got.stderr, got.stderr
+
+
+def test_gpu_figures_writes_each_preset_in_the_runs_dtype(monkeypatch, tmp_path):
+    """The presets' model directories are stored in the run's dtype (bf16: half the disk and
+    write time, each f32 value drawn, rounded once), made once each."""
+    made = []
+
+    def run(cmd, env=None, log=None):
+        if "init-model" in cmd:
+            made.append(cmd)
+        return ""
+
+    for dtype in ("bf16", "f32"):
+        made.clear()
+        monkeypatch.setattr(gpu_figures, "run", run)
+        monkeypatch.setattr(gpu_figures, "troupe_iteration",
+                            lambda *a, **k: {"s_per_iteration": 1.0, "update_gflop_per_s": [None]})
+        monkeypatch.setattr(gpu_figures, "trl_iteration", lambda args, model_dir: {"s_per_step": 1.0})
+        monkeypatch.setattr(gpu_figures, "gemm_tflops", lambda args: {"tflops": 1.0})
+        monkeypatch.setattr(gpu_figures, "machine", lambda *a: {})
+        out = tmp_path / f"figures-{dtype}.json"
+        monkeypatch.setattr(sys, "argv", ["gpu_figures.py", "--device", "cpu", "--dtype", dtype,
+                                          "--troupe", str(fake_troupe(tmp_path)), "--reps", "2", "--skip-kernels",
+                                          "--skip-memory", "--out", str(out)])
+        gpu_figures.main()
+        assert len(made) == 1, made
+        cmd = made[0]
+        assert cmd[cmd.index("--preset") + 1] == "qwen3-0.6b"
+        assert cmd[cmd.index("--dtype") + 1] == dtype

@@ -10,6 +10,7 @@ use serde_json::json;
 
 use super::adapters::adapter_delta;
 use crate::generate::{generate, score_rows, GenerateOptions, SamplingConfig};
+use crate::model::safetensors_io::StoredFloat;
 use crate::model::{builtin, AttentionKernel, ChatMessage, LoadOptions, Model, Precision, Preset, ProjectionDelta};
 
 /// `troupe init-model`: write the built-in model as a Hugging Face directory.
@@ -28,6 +29,10 @@ pub struct InitModelArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// The type the weights are stored in: f32, or bf16 (half the file, as Qwen publishes its
+    /// checkpoints; the f32 values drawn, rounded) or f16.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub dtype: StoredFloat,
 }
 
 /// The base model of `logprobs` and `generate`, and how it runs.
@@ -136,14 +141,19 @@ pub fn run_model(command: ModelCommand) -> Result<()> {
     }
 }
 
+/// The name a value is given on the command line (`qwen3-0.6b`, `bf16`).
+fn cli_name(value: &impl clap::ValueEnum) -> String {
+    value.to_possible_value().map(|v| v.get_name().to_string()).unwrap_or_default()
+}
+
 /// Runs `troupe init-model`.
 pub fn init_model(args: InitModelArgs) -> Result<()> {
     super::out_dir::check_out_dir(&args.out, args.force, &[])?;
-    builtin::write_model_dir(&args.out, args.preset, args.seed)
+    builtin::write_model_dir(&args.out, args.preset, args.seed, args.dtype)
         .with_context(|| format!("writing the built-in model to {}", args.out.display()))?;
     let parameters = args.preset.config().num_parameters();
     super::output::emit(
-        json!({"out": args.out, "preset": format!("{:?}", args.preset).to_lowercase(), "seed": args.seed, "parameters": parameters}),
+        json!({"out": args.out, "preset": cli_name(&args.preset), "seed": args.seed, "dtype": cli_name(&args.dtype), "parameters": parameters}),
     )?;
     Ok(())
 }

@@ -15,7 +15,7 @@ use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, Tokenizer};
 
 use super::config::{ModelConfig, ModelType};
-use super::safetensors_io::{write_f32_tensors, F32Tensor, HostTensor};
+use super::safetensors_io::{write_f32_tensors, F32Tensor, HostTensor, StoredFloat};
 use super::tokenizer::TextTokenizer;
 use super::weights::MemoryWeights;
 use crate::error::{ModelError, Result, TroupeError};
@@ -237,9 +237,10 @@ pub fn init_weights(config: &ModelConfig, seed: u64) -> MemoryWeights {
 }
 
 /// Writes the built-in model as a Hugging Face directory: `config.json`,
-/// `generation_config.json`, `model.safetensors`, `tokenizer.json`, `tokenizer_config.json`.
-/// Every file is written atomically; an existing directory is written into.
-pub fn write_model_dir(out: &Path, preset: Preset, seed: u64) -> Result<()> {
+/// `generation_config.json`, `model.safetensors` (its weights stored as `stored`, rounded from
+/// the f32 values drawn), `tokenizer.json`, `tokenizer_config.json`. Every file is written
+/// atomically; an existing directory is written into.
+pub fn write_model_dir(out: &Path, preset: Preset, seed: u64, stored: StoredFloat) -> Result<()> {
     std::fs::create_dir_all(out).map_err(|e| TroupeError::io(out, e))?;
     let config = preset.config();
     let tokenizer = build_tokenizer()?;
@@ -252,7 +253,7 @@ pub fn write_model_dir(out: &Path, preset: Preset, seed: u64) -> Result<()> {
     // tensor's values and their bytes (the 1.6 GB embedding's, at most), not the model.
     let tensors = plan(&config, seed).into_iter().map(|t| {
         let shape = t.shape.clone();
-        (t.name.clone(), F32Tensor::new(shape, move || Cow::Owned(t.values())))
+        (t.name.clone(), F32Tensor::new(shape, move || Cow::Owned(t.values())).stored_as(stored))
     });
     write_f32_tensors(&out.join("model.safetensors"), tensors, Some(metadata))?;
     write_atomic(&out.join("tokenizer.json"), tokenizer_json.as_bytes())?;
@@ -273,7 +274,11 @@ pub fn write_model_dir(out: &Path, preset: Preset, seed: u64) -> Result<()> {
         &out.join("generation_config.json"),
         &json(&serde_json::json!({"eos_token_id": [2, 0], "pad_token_id": 0, "do_sample": false})),
     )?;
-    write_atomic(&out.join("config.json"), &json(&config.to_hf_json(0)))?;
+    let mut hf_config = config.to_hf_json(0);
+    for key in ["dtype", "torch_dtype"] {
+        hf_config[key] = stored.torch_name().into();
+    }
+    write_atomic(&out.join("config.json"), &json(&hf_config))?;
     Ok(())
 }
 
@@ -365,18 +370,30 @@ mod tests {
     }
 
     /// `init-model` draws each tensor as the file reaches it, in safetensors' order, not the
-    /// order the generator runs in: the file holds the same model as memory, value for value.
+    /// order the generator runs in: the file holds the same model as memory, value for value,
+    /// or each value rounded to the type it is stored in, which `config.json` names.
     #[test]
     fn the_written_model_is_the_one_in_memory() {
-        let dir = tempfile::tempdir().unwrap();
-        write_model_dir(dir.path(), Preset::Tiny, 3).unwrap();
-        let path = dir.path().join("model.safetensors");
-        let store =
-            super::super::safetensors_io::TensorStore::open_files(std::slice::from_ref(&path), path.clone()).unwrap();
         let memory = init_weights(&Preset::Tiny.config(), 3);
-        assert_eq!(store.names(), memory.tensors.keys().cloned().collect::<Vec<_>>());
-        for (name, tensor) in &memory.tensors {
-            assert_eq!(&store.read(name, Some(&tensor.shape)).unwrap(), tensor, "{name}");
+        for (stored, torch) in [(StoredFloat::F32, "float32"), (StoredFloat::Bf16, "bfloat16")] {
+            let dir = tempfile::tempdir().unwrap();
+            write_model_dir(dir.path(), Preset::Tiny, 3, stored).unwrap();
+            let path = dir.path().join("model.safetensors");
+            let store =
+                super::super::safetensors_io::TensorStore::open_files(std::slice::from_ref(&path), path.clone())
+                    .unwrap();
+            assert_eq!(store.names(), memory.tensors.keys().cloned().collect::<Vec<_>>());
+            for (name, tensor) in &memory.tensors {
+                assert_eq!(store.stored_float(name), Some(stored), "{name}");
+                let rounded: Vec<f32> = match stored {
+                    StoredFloat::Bf16 => tensor.values.iter().map(|v| half::bf16::from_f32(*v).to_f32()).collect(),
+                    _ => tensor.values.clone(),
+                };
+                assert_eq!(store.read(name, Some(&tensor.shape)).unwrap().values, rounded, "{name}");
+            }
+            let config: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(dir.path().join("config.json")).unwrap()).unwrap();
+            assert_eq!((&config["dtype"], &config["torch_dtype"]), (&torch.into(), &torch.into()));
         }
     }
 }

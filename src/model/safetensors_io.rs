@@ -229,7 +229,7 @@ fn describe_error(err: &safetensors::SafeTensorError) -> String {
 }
 
 /// The float types troupe reads and writes in safetensors files.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum StoredFloat {
     /// IEEE single precision.
     F32,

@@ -266,8 +266,11 @@ impl Run {
         }
         let preset = model.preset().map_err(PyValueError::new_err)?;
         let seed = model.seed;
-        without_gil(py, (), |()| troupe::model::builtin::write_model_dir(&out, preset, seed).map_err(|e| e.to_string()))
-            .map_err(engine_error)
+        without_gil(py, (), |()| {
+            troupe::model::builtin::write_model_dir(&out, preset, seed, troupe::model::safetensors_io::StoredFloat::F32)
+                .map_err(|e| e.to_string())
+        })
+        .map_err(engine_error)
     }
 
     /// The token ids of `text` and, for each token after the first, its log-probability under
